@@ -1,0 +1,318 @@
+"""The 12 Hz codec decoder (codes -> 24 kHz waveform) as an exact streaming decoder.
+
+The decoder is strictly causal, so it streams exactly: every causal convolution keeps the last inputs it needs,
+each transposed convolution keeps its last input frame, and each transformer layer keeps the keys and values of
+its sliding window. The offline decode is the streaming decode of all frames at once from an empty state: there is
+one code path, and streaming in any piece size reproduces it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import CodecDecoderConfig
+from engine.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+
+
+@dataclass
+class DecoderState:
+    """Everything a stream carries between decode calls; batch is dim 0 of every tensor."""
+
+    position: torch.Tensor  # [B] frames decoded so far
+    history: dict[str, torch.Tensor] = field(default_factory=dict)  # causal conv / transposed conv inputs
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [B, H, window, D]
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+class CausalConv(nn.Module):
+    """Conv1d left-padded by its receptive field; in streaming it remembers the inputs the padding stood for."""
+
+    def __init__(self, key: str, cin: int, cout: int, kernel: int, dilation: int = 1, groups: int = 1) -> None:
+        super().__init__()
+        self.key = key
+        self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
+        self.context = (kernel - 1) * dilation
+
+    def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        if self.context == 0:
+            return self.conv(x)
+        past = state.history.get(self.key)
+        if past is None:
+            past = x.new_zeros(x.shape[0], x.shape[1], self.context)
+        x = torch.cat((past, x), dim=-1)
+        state.history[self.key] = x[..., -self.context:]
+        return self.conv(x)
+
+
+class CausalTransposedConv(nn.Module):
+    """ConvTranspose1d (kernel 2s or s, stride s) trimmed on the right, so output t*s.. depends on inputs <= t."""
+
+    def __init__(self, key: str, cin: int, cout: int, kernel: int, stride: int) -> None:
+        super().__init__()
+        self.key = key
+        self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
+        self.stride = stride
+        self.overlap = kernel // stride - 1  # previous input frames that still reach the new outputs
+
+    def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        n = x.shape[-1]
+        if self.overlap == 0:
+            return self.conv(x)[..., : n * self.stride]
+        past = state.history.get(self.key)
+        if past is None:
+            # A zero input contributes nothing; the bias is added once per output either way.
+            past = x.new_zeros(x.shape[0], x.shape[1], self.overlap)
+        x = torch.cat((past, x), dim=-1)
+        state.history[self.key] = x[..., -self.overlap:]
+        start = self.overlap * self.stride
+        return self.conv(x)[..., start: start + n * self.stride]
+
+
+class SnakeBeta(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = torch.exp(self.alpha)[None, :, None]
+        beta = torch.exp(self.beta)[None, :, None]
+        return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, key: str, dim: int) -> None:
+        super().__init__()
+        self.dwconv = CausalConv(key, dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        h = self.dwconv(x, state).permute(0, 2, 1)
+        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
+        return x + (self.gamma * h).permute(0, 2, 1)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, key: str, dim: int, dilation: int) -> None:
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConv(key, dim, dim, 7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConv(key + ".pw", dim, dim, 1)
+
+    def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x), state)), state)
+
+
+class UpsampleBlock(nn.Module):
+    """SnakeBeta -> causal transposed conv (x rate) -> residual units with dilations 1, 3, 9."""
+
+    def __init__(self, key: str, cin: int, cout: int, rate: int) -> None:
+        super().__init__()
+        self.block = nn.ModuleList([
+            SnakeBeta(cin),
+            CausalTransposedConv(key + ".up", cin, cout, 2 * rate, rate),
+            *(ResidualUnit(f"{key}.res{d}", cout, d) for d in (1, 3, 9)),
+        ])
+
+    def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        x = self.block[0](x)
+        for layer in self.block[1:]:
+            x = layer(x, state)
+        return x
+
+
+class WindowAttention(nn.Module):
+    """Causal attention over the last `window` frames (keys j with i - window < j <= i)."""
+
+    def __init__(self, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+                state: DecoderState, layer: int) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        keys = torch.cat((state.keys[layer], k), dim=2)
+        values = torch.cat((state.values[layer], v), dim=2)
+        state.keys[layer], state.values[layer] = keys[:, :, -self.window:], values[:, :, -self.window:]
+        mask = self._mask(position, n, keys.shape[2])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _mask(self, position: torch.Tensor, n: int, total: int) -> torch.Tensor:
+        """[B, 1, n, total] boolean: cached slot s holds frame position - window + s; new frames follow."""
+        key_pos = position[:, None] - self.window + torch.arange(total, device=position.device)[None]
+        query_pos = position[:, None] + torch.arange(n, device=position.device)[None]
+        rel = query_pos[:, :, None] - key_pos[:, None, :]
+        visible = (rel >= 0) & (rel < self.window) & (key_pos[:, None, :] >= 0)
+        return visible[:, None]
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        self.self_attn = WindowAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
+        self.mlp_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
+
+    def forward(self, x, cos, sin, position, state: DecoderState, layer: int) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, position, state, layer)
+        x = x + self.self_attn_layer_scale(attn)
+        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+
+
+class LayerScale(nn.Module):
+    def __init__(self, channels: int, initial: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((channels,), initial))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class PreTransformer(nn.Module):
+    def __init__(self, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
+        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        """x [B, n, latent] for frames state.position .. + n."""
+        n = x.shape[1]
+        positions = state.position[:, None] + torch.arange(n, device=x.device)[None]
+        x = self.input_proj(x)
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, state.position, state, i)
+        return self.output_proj(self.norm(x))
+
+
+class Codebook(nn.Module):
+    """EMA codebook as stored: vectors are embedding_sum / cluster_usage."""
+
+    def __init__(self, size: int, dim: int) -> None:
+        super().__init__()
+        self.cluster_usage = nn.Parameter(torch.ones(size))
+        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+
+    def vectors(self) -> torch.Tensor:
+        return self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+
+
+class VQLayer(nn.Module):
+    def __init__(self, size: int, dim: int) -> None:
+        super().__init__()
+        self._codebook = Codebook(size, dim)
+
+
+class VQStack(nn.Module):
+    def __init__(self, books: int, size: int, dim: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(VQLayer(size, dim) for _ in range(books))
+
+
+class ResidualQuantizer(nn.Module):
+    """Decode side of an RVQ group: sum of codebook vectors, then a 1x1 projection."""
+
+    def __init__(self, books: int, size: int, dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.vq = VQStack(books, size, dim)
+        self.output_proj = nn.Conv1d(dim, out_dim, 1, bias=False)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, books, n] -> [B, out_dim, n]."""
+        total = torch.zeros((), device=codes.device)
+        for book, layer in zip(codes.unbind(1), self.vq.layers):
+            total = total + F.embedding(book, layer._codebook.vectors()).transpose(1, 2)
+        return self.output_proj(total)
+
+
+class SplitQuantizer(nn.Module):
+    def __init__(self, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        dim = cfg.codebook_dim // 2
+        self.rvq_first = ResidualQuantizer(1, cfg.codebook_size, dim, cfg.codebook_dim)
+        self.rvq_rest = ResidualQuantizer(cfg.num_quantizers - 1, cfg.codebook_size, dim, cfg.codebook_dim)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])
+
+
+class CodecDecoder(nn.Module):
+    """Parameter names match `speech_tokenizer/model.safetensors` under the `decoder.` prefix."""
+
+    def __init__(self, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.quantizer = SplitQuantizer(cfg)
+        self.pre_conv = CausalConv("pre_conv", cfg.codebook_dim, cfg.latent_dim, 3)
+        self.pre_transformer = PreTransformer(cfg)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalTransposedConv(f"up{i}", cfg.latent_dim, cfg.latent_dim, r, r),
+                           ConvNeXtBlock(f"up{i}.convnext", cfg.latent_dim)])
+            for i, r in enumerate(cfg.upsampling_ratios)
+        )
+        channels = [cfg.decoder_dim // 2 ** i for i in range(len(cfg.upsample_rates) + 1)]
+        self.decoder = nn.ModuleList([
+            CausalConv("conv_in", cfg.latent_dim, cfg.decoder_dim, 7),
+            *(UpsampleBlock(f"block{i}", channels[i], channels[i + 1], r) for i, r in enumerate(cfg.upsample_rates)),
+            SnakeBeta(channels[-1]),
+            CausalConv("conv_out", channels[-1], 1, 7),
+        ])
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.cfg.samples_per_frame
+
+    def new_state(self, batch: int = 1, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> DecoderState:
+        cfg = self.cfg
+        shape = (batch, cfg.num_key_value_heads, cfg.sliding_window, cfg.head_dim)
+        layers = range(cfg.num_hidden_layers)
+        return DecoderState(
+            position=torch.zeros(batch, dtype=torch.long, device=device),
+            keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in layers],
+            values=[torch.zeros(shape, device=device, dtype=dtype) for _ in layers],
+        )
+
+    def decode_step(self, codes: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        """codes [B, n, 16] (the next n frames of each stream) -> waveform [B, n * samples_per_frame].
+
+        `state` is updated in place, so the next call continues exactly where this one stopped."""
+        x = self.quantizer.decode(codes.clamp(min=0).transpose(1, 2))
+        x = self.pre_conv(x, state).transpose(1, 2)
+        x = self.pre_transformer(x, state).transpose(1, 2)
+        for up, convnext in self.upsample:
+            x = convnext(up(x, state), state)
+        x = self.decoder[0](x, state)
+        for block in self.decoder[1:-2]:
+            x = block(x, state)
+        x = self.decoder[-1](self.decoder[-2](x), state)
+        state.position = state.position + codes.shape[1]
+        return x[:, 0].clamp(-1.0, 1.0)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Offline decode of whole utterances: codes [B, T, 16] -> [B, T * samples_per_frame]."""
+        state = self.new_state(codes.shape[0], codes.device, next(self.parameters()).dtype)
+        return self.decode_step(codes, state)

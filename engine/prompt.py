@@ -1,0 +1,113 @@
+"""Talker prompts for the four modes, position by position as the reference lays them out.
+
+Each position is the sum of a text-track vector T(id) and a codec-track vector C(id). A prompt is the prefill
+(all positions before the first generated frame) plus the text track still to feed: in the streaming text layout
+one text vector per generated frame, then `tts_pad` forever.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model.talker import Talker
+
+TEXT_LAYOUTS = ("prefill", "streaming")
+
+
+@dataclass(frozen=True)
+class Voice:
+    """Who speaks. Exactly one of the fields that fit the model's type is set (validated by the caller)."""
+
+    speaker: str | None = None  # CustomVoice: a built-in speaker
+    instruct: str | None = None  # VoiceDesign (required) or CustomVoice 1.7B (optional style)
+    xvector: torch.Tensor | None = None  # Base: speaker embedding of the reference audio
+    ref_codes: torch.Tensor | None = None  # Base ICL: [T_ref, 16] codes of the reference audio
+    ref_text_ids: list[int] | None = None  # Base ICL: its transcript
+
+
+@dataclass
+class Prompt:
+    prefill: torch.Tensor  # [P, H]
+    trailing_text: torch.Tensor  # [N, H]: text track of decode steps 0..N-1
+    pad: torch.Tensor  # [H]: text track after that
+
+    def text_track(self, step: int) -> torch.Tensor:
+        return self.trailing_text[step] if step < self.trailing_text.shape[0] else self.pad
+
+
+def language_id(config: ModelConfig, language: str, speaker: str | None) -> int | None:
+    """The codec language id, None for `auto`; dialect speakers speak their dialect for Chinese and auto."""
+    language = language.lower()
+    lang_id = None if language == "auto" else config.talker.codec_language_id[language]
+    dialect = config.talker.spk_is_dialect.get(speaker.lower(), False) if speaker else False
+    if dialect and language in ("chinese", "auto"):
+        lang_id = config.talker.codec_language_id[dialect]
+    return lang_id
+
+
+class PromptBuilder:
+    def __init__(self, config: ModelConfig, talker: Talker) -> None:
+        self.config = config
+        self.talker = talker
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.talker.codec_head.weight.device)
+
+    def text(self, ids: list[int]) -> torch.Tensor:
+        return self.talker.text_embed(self._ids(ids))
+
+    def codec(self, ids: list[int]) -> torch.Tensor:
+        return self.talker.codec_embed(self._ids(ids))
+
+    def build(self, voice: Voice, role_ids: list[int], text_ids: list[int], instruct_ids: list[int] | None,
+              language: str, layout: str) -> Prompt:
+        cfg, tcfg = self.config, self.config.talker
+        bos_t, eos_t, pad_t = self.text([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
+        lang_id = language_id(cfg, language, voice.speaker)
+        tags = ([tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id] if lang_id is None else
+                [tcfg.codec_think_id, tcfg.codec_think_bos_id, lang_id, tcfg.codec_think_eos_id])
+        codec = [self.codec(tags)]
+        speaker = self._speaker_vector(voice)
+        if speaker is not None:
+            codec.append(speaker[None])
+        codec.append(self.codec([tcfg.codec_pad_id, tcfg.codec_bos_id]))
+        codec_track = torch.cat(codec)
+        # The tag/speaker/pad positions carry tts_pad on the text track, the last of them tts_bos.
+        text_track = torch.cat((pad_t.expand(codec_track.shape[0] - 2, -1), bos_t[None]))
+        parts = [] if instruct_ids is None else [self.text(instruct_ids)]
+        parts += [self.text(role_ids), text_track + codec_track[:-1]]
+        codec_bos = codec_track[-1]
+        if voice.ref_codes is not None:
+            body, trailing = self._icl(voice, text_ids, codec_bos, eos_t, pad_t, layout)
+        elif layout == "streaming":
+            body = self.text(text_ids[:1]) + codec_bos
+            trailing = torch.cat((self.text(text_ids[1:]), eos_t[None]))
+        else:
+            text_part = torch.cat((self.text(text_ids), eos_t[None]))
+            body = torch.cat((text_part + self.codec([tcfg.codec_pad_id]), (pad_t + codec_bos)[None]))
+            trailing = pad_t.new_zeros(0, pad_t.shape[-1])
+        prefill = torch.cat([*parts, body])
+        return Prompt(prefill=prefill, trailing_text=trailing, pad=pad_t)
+
+    def _speaker_vector(self, voice: Voice) -> torch.Tensor | None:
+        if voice.xvector is not None:
+            return voice.xvector.to(self.talker.codec_head.weight)
+        if voice.speaker:
+            return self.codec([self.config.talker.spk_id[voice.speaker.lower()]])[0]
+        return None
+
+    def _icl(self, voice: Voice, text_ids: list[int], codec_bos: torch.Tensor, eos_t: torch.Tensor,
+             pad_t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference transcript + target text against codec bos + the reference frames."""
+        text = torch.cat((self.text(voice.ref_text_ids + text_ids), eos_t[None]))
+        ref = voice.ref_codes.to(codec_bos.device)
+        codec = torch.cat((codec_bos[None], self.talker.frame_embed(ref)))
+        if layout == "prefill":
+            body = torch.cat((text + self.codec([self.config.talker.codec_pad_id]), codec + pad_t))
+            return body, pad_t.new_zeros(0, pad_t.shape[-1])
+        if text.shape[0] > codec.shape[0]:
+            return text[: codec.shape[0]] + codec, text[codec.shape[0]:]
+        padded = torch.cat((text, pad_t.expand(codec.shape[0] - text.shape[0], -1)))
+        return padded + codec, pad_t.new_zeros(0, pad_t.shape[-1])

@@ -1,0 +1,76 @@
+"""The text tokenizer (read from the checkpoint's own files) and the reference's chat templates.
+
+Checkpoints ship `vocab.json`, `merges.txt` and `tokenizer_config.json`; we build a byte-level BPE from them with the
+Qwen pre-tokenizer regex, exactly as the files describe it, with `tokenizers` alone (no transformers).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
+from engine.errors import CheckpointError
+
+QWEN_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+def _special_tokens(config_path: Path) -> list[tuple[int, str]]:
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        decoder = config["added_tokens_decoder"]
+        return sorted((int(i), entry["content"]) for i, entry in decoder.items())
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"malformed tokenizer file {config_path}: {exc}") from exc
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    for name in TOKENIZER_FILES:
+        if not (model_dir / name).is_file():
+            raise CheckpointError(f"missing checkpoint file: {model_dir / name}")
+    try:
+        bpe = BPE.from_file(str(model_dir / "vocab.json"), str(model_dir / "merges.txt"))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise CheckpointError(f"malformed tokenizer files vocab.json / merges.txt in {model_dir}: {exc}") from exc
+    tokenizer = Tokenizer(bpe)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    for token_id, content in _special_tokens(model_dir / "tokenizer_config.json"):
+        tokenizer.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+        if tokenizer.token_to_id(content) != token_id:
+            raise CheckpointError(
+                f"tokenizer_config.json: special token {content!r} should have id {token_id} "
+                f"but the vocabulary gives it {tokenizer.token_to_id(content)}"
+            )
+    return tokenizer
+
+
+class TextTokenizer:
+    """Token ids for the three prompt pieces, sliced exactly as the reference slices its templates."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def target(self, text: str) -> tuple[list[int], list[int]]:
+        """(role ids `<|im_start|>assistant\\n`, text ids) of the text to speak."""
+        ids = self.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
+        return ids[:3], ids[3:-5]
+
+    def reference_text(self, text: str) -> list[int]:
+        """Text ids of a voice-clone reference transcript."""
+        return self.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n")[3:-2]
+
+    def instruction(self, text: str) -> list[int]:
+        """The whole instruction block, role and end marker included."""
+        return self.encode(f"<|im_start|>user\n{text}<|im_end|>\n")

@@ -1,0 +1,197 @@
+"""One loaded Qwen3-TTS checkpoint and the single-request synthesis API on top of it.
+
+Validation lives here so that every entry point (CLI, gateway, tests) gives the same clear error for a bad voice,
+language or text before any model work starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.checkpoint import UNUSED_DECODER_TENSORS, load_module, read_tensors
+from engine.config import ModelConfig, SpeechTokenizerConfig, load_model_config, load_speech_tokenizer_config
+from engine.errors import CheckpointError, RequestError
+from engine.generate import RunawayGuard, generate_frames
+from engine.model.codec_decoder import CodecDecoder
+from engine.model.talker import Talker
+from engine.prompt import TEXT_LAYOUTS, Prompt, PromptBuilder, Voice
+from engine.sampling import SamplingParams
+from engine.text import TextTokenizer, load_tokenizer
+
+ISO_LANGUAGES = {"zh": "chinese", "en": "english", "de": "german", "it": "italian", "pt": "portuguese",
+                 "es": "spanish", "ja": "japanese", "ko": "korean", "fr": "french", "ru": "russian"}
+
+
+@dataclass(frozen=True)
+class VoiceRequest:
+    """What the user asked for, before validation against the model."""
+
+    speaker: str | None = None
+    instruct: str | None = None
+    ref_audio: Path | tuple[np.ndarray, int] | None = None
+    ref_text: str | None = None
+    x_vector_only: bool = False
+
+
+@dataclass
+class Synthesis:
+    codes: torch.Tensor  # [frames, 16]
+    audio: np.ndarray  # float32 mono
+    sample_rate: int
+
+
+class TTSModel:
+    def __init__(self, model_dir: Path, config: ModelConfig, speech: SpeechTokenizerConfig, talker: Talker,
+                 decoder: CodecDecoder, tokenizer: TextTokenizer, device: torch.device, dtype: torch.dtype) -> None:
+        self.model_dir = model_dir
+        self.config = config
+        self.speech = speech
+        self.talker = talker
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.prompts = PromptBuilder(config, talker)
+        self._speaker_encoder = None
+        self._reference_encoder = None
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "TTSModel":
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise CheckpointError(f"model directory not found: {model_dir}")
+        config = load_model_config(model_dir)
+        speech = load_speech_tokenizer_config(model_dir)
+        tokenizer = TextTokenizer(load_tokenizer(model_dir))
+        with torch.device("meta"):
+            talker, decoder = Talker(config.talker), CodecDecoder(speech.decoder)
+        load_module(talker, read_tensors(model_dir / "model.safetensors", "talker."), "model.safetensors (talker)")
+        load_module(decoder, read_tensors(model_dir / "speech_tokenizer" / "model.safetensors", "decoder."),
+                    "speech_tokenizer/model.safetensors (decoder)", ignore=UNUSED_DECODER_TENSORS)
+        target = torch.device(device)
+        talker = talker.to(target, dtype).eval()
+        decoder = decoder.to(target, dtype).eval()
+        return cls(model_dir, config, speech, talker, decoder, tokenizer, target, dtype)
+
+    @property
+    def model_type(self) -> str:
+        return self.config.tts_model_type
+
+    @property
+    def sample_rate(self) -> int:
+        return self.speech.output_sample_rate
+
+    def default_layout(self) -> str:
+        """The reference's choice: all text in the prefill, except voice cloning which feeds a token per frame."""
+        return "streaming" if self.model_type == "base" else "prefill"
+
+    def resolve_language(self, language: str | None) -> str:
+        name = (language or "auto").strip().lower()
+        name = ISO_LANGUAGES.get(name, name)
+        if name not in self.config.languages:
+            raise RequestError(f"unknown language {language!r}; supported: {', '.join(self.config.languages)} "
+                               f"(or ISO codes {', '.join(sorted(ISO_LANGUAGES))})")
+        return name
+
+    def voice(self, request: VoiceRequest) -> Voice:
+        """Check the request against what this model type can do and build the voice (encodes reference audio)."""
+        kind = self.model_type
+        if request.speaker and kind != "custom_voice":
+            hint = "describe the voice with an instruction" if kind == "voice_design" else "give a reference audio"
+            raise RequestError(f"this {kind} model has no built-in speakers ({request.speaker!r} given); {hint}")
+        if request.ref_audio is not None and kind != "base":
+            raise RequestError(f"reference audio is for voice cloning with a Base model; this model is {kind}")
+        if kind == "custom_voice":
+            return self._custom_voice(request)
+        if kind == "voice_design":
+            if not (request.instruct or "").strip():
+                raise RequestError("a VoiceDesign model needs an instruction describing the voice")
+            return Voice(instruct=request.instruct)
+        return self._clone_voice(request)
+
+    def _custom_voice(self, request: VoiceRequest) -> Voice:
+        speakers = self.config.speakers
+        if not request.speaker:
+            raise RequestError(f"a CustomVoice model needs a speaker; choose one of: {', '.join(speakers)}")
+        if request.speaker.lower() not in self.config.talker.spk_id:
+            raise RequestError(f"unknown speaker {request.speaker!r}; choose one of: {', '.join(speakers)}")
+        if request.instruct and self.config.tts_model_size == "0b6":
+            raise RequestError("the 0.6B CustomVoice model does not take instructions")
+        return Voice(speaker=request.speaker.lower(), instruct=request.instruct or None)
+
+    def _clone_voice(self, request: VoiceRequest) -> Voice:
+        from engine.model.reference_encoder import load_reference_audio
+
+        if request.instruct:
+            raise RequestError("a Base (voice clone) model does not take instructions")
+        if request.ref_audio is None:
+            raise RequestError("a Base model clones a voice: give a reference audio (and its transcript)")
+        if not request.x_vector_only and not (request.ref_text or "").strip():
+            raise RequestError("voice cloning needs the reference audio's transcript (or x-vector-only mode)")
+        audio, rate = (load_reference_audio(request.ref_audio) if isinstance(request.ref_audio, Path)
+                       else request.ref_audio)
+        xvector = self.speaker_encoder.embed(audio, rate).to(self.device, self.dtype)
+        if request.x_vector_only:
+            return Voice(xvector=xvector)
+        codes = self.reference_encoder.encode(audio, rate).to(self.device)
+        return Voice(xvector=xvector, ref_codes=codes,
+                     ref_text_ids=self.tokenizer.reference_text(request.ref_text))
+
+    @property
+    def speaker_encoder(self):
+        """The ECAPA x-vector model, loaded on first use (Base checkpoints only)."""
+        if self._speaker_encoder is None:
+            from engine.model.speaker_encoder import SpeakerEncoder
+
+            with torch.device("meta"):
+                module = SpeakerEncoder(self.config.speaker_encoder)
+            load_module(module, read_tensors(self.model_dir / "model.safetensors", "speaker_encoder."),
+                        "model.safetensors (speaker_encoder)")
+            self._speaker_encoder = module.to(self.device, self.dtype).eval()
+        return self._speaker_encoder
+
+    @property
+    def reference_encoder(self):
+        """The Mimi encoder that turns a reference audio into codes, loaded on first use."""
+        if self._reference_encoder is None:
+            from engine.model.reference_encoder import ReferenceEncoder
+
+            self._reference_encoder = ReferenceEncoder.load(self.model_dir, self.speech, self.device)
+        return self._reference_encoder
+
+    def prompt(self, text: str, voice: Voice, language: str, layout: str | None = None) -> tuple[Prompt, int]:
+        """The talker prompt and the number of target text tokens."""
+        if not text or not text.strip():
+            raise RequestError("text is empty")
+        layout = layout or self.default_layout()
+        if layout not in TEXT_LAYOUTS:
+            raise RequestError(f"unknown text layout {layout!r}; use one of {', '.join(TEXT_LAYOUTS)}")
+        role_ids, text_ids = self.tokenizer.target(text)
+        instruct_ids = self.tokenizer.instruction(voice.instruct) if voice.instruct else None
+        lang = self.resolve_language(language)
+        with torch.inference_mode():
+            prompt = self.prompts.build(voice, role_ids, text_ids, instruct_ids, lang, layout)
+        return prompt, len(text_ids)
+
+    def synthesize(self, text: str, voice: Voice, *, language: str = "auto", layout: str | None = None,
+                   sampling: SamplingParams | None = None, max_frames: int | None = None,
+                   guard: RunawayGuard = RunawayGuard()) -> Synthesis:
+        prompt, text_tokens = self.prompt(text, voice, language, layout)
+        sampling = sampling or SamplingParams.from_defaults(self.config.generation)
+        limit = max_frames if max_frames is not None else guard.limit(text_tokens)
+        frames = list(generate_frames(self.talker, prompt, sampling, limit))
+        codes = torch.stack(frames) if frames else torch.zeros(0, 16, dtype=torch.long, device=self.device)
+        return Synthesis(codes=codes.cpu(), audio=self.decode(codes, voice.ref_codes), sample_rate=self.sample_rate)
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor, context: torch.Tensor | None = None) -> np.ndarray:
+        """Codes [T, 16] -> waveform; `context` (voice-clone reference codes) primes the decoder, unheard."""
+        state = self.decoder.new_state(1, self.device, self.dtype)
+        if context is not None and context.shape[0]:
+            self.decoder.decode_step(context[None].to(self.device), state)
+        if codes.shape[0] == 0:
+            return np.zeros(0, dtype=np.float32)
+        return self.decoder.decode_step(codes[None].to(self.device), state)[0].float().cpu().numpy()
