@@ -1,0 +1,94 @@
+"""The `voxgate` command: `synth` (one utterance to a WAV file) and `make-checkpoint` (random checkpoints)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from engine.errors import VoxgateError
+
+
+def _synth_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="synthesize one utterance into a WAV file")
+    p.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--text", required=True)
+    p.add_argument("--speaker", help="built-in speaker (CustomVoice)")
+    p.add_argument("--instruct", help="voice / style instruction (VoiceDesign, CustomVoice 1.7B)")
+    p.add_argument("--ref-audio", type=Path, help="reference audio to clone (Base)")
+    p.add_argument("--ref-text", help="transcript of the reference audio (Base, ICL mode)")
+    p.add_argument("--x-vector-only", action="store_true", help="clone from the speaker embedding alone")
+    p.add_argument("--language", default="auto", help="language name or ISO code, or auto (default)")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding for the talker and code predictor")
+    p.add_argument("--seed", type=int, help="seed for sampling")
+    p.add_argument("--max-frames", type=int, help="at most this many 80 ms frames (replaces the runaway guard)")
+    p.add_argument("--text-layout", choices=["prefill", "streaming"], help="default: the reference's per mode")
+    p.add_argument("--codes-out", type=Path, help="also write the codes as an int array [frames, 16] (.npy)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("-o", "--output", type=Path, required=True, help="output WAV file")
+    p.set_defaults(run=run_synth)
+
+
+def _checkpoint_parser(sub: argparse._SubParsersAction) -> None:
+    from engine.model_configs import SIZES, VARIANTS
+
+    p = sub.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")
+    p.add_argument("--size", choices=SIZES, default="tiny")
+    p.add_argument("--variant", choices=VARIANTS, default="custom_voice")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
+    p.set_defaults(run=run_make_checkpoint)
+
+
+def run_synth(args: argparse.Namespace) -> None:
+    import numpy as np
+    import soundfile as sf
+
+    from engine.random_checkpoint import default_model_dir
+    from engine.sampling import SamplingParams
+    from engine.tts import TTSModel, VoiceRequest
+
+    if args.max_frames is not None and args.max_frames < 1:
+        raise VoxgateError("--max-frames must be at least 1")
+    model_dir = args.model or default_model_dir()
+    started = time.perf_counter()
+    tts = TTSModel.load(model_dir, device=args.device)
+    speaker = args.speaker
+    if speaker is None and tts.model_type == "custom_voice" and args.model is None:
+        speaker = "vivian"
+    voice = tts.voice(VoiceRequest(speaker=speaker, instruct=args.instruct, ref_audio=args.ref_audio,
+                                   ref_text=args.ref_text, x_vector_only=args.x_vector_only))
+    sampling = SamplingParams.from_defaults(tts.config.generation, greedy=args.greedy, seed=args.seed)
+    result = tts.synthesize(args.text, voice, language=args.language, layout=args.text_layout,
+                            sampling=sampling, max_frames=args.max_frames)
+    sf.write(args.output, result.audio, result.sample_rate, subtype="PCM_16")
+    if args.codes_out:
+        np.save(args.codes_out, result.codes.numpy().astype(np.int64))
+    seconds = len(result.audio) / result.sample_rate
+    print(f"wrote {args.output}: {result.codes.shape[0]} frames, {seconds:.2f} s of audio "
+          f"in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+
+def run_make_checkpoint(args: argparse.Namespace) -> None:
+    from engine.random_checkpoint import write_random_checkpoint
+
+    write_random_checkpoint(args.output, args.size, args.variant, seed=args.seed)
+    print(f"wrote a random {args.size} {args.variant} checkpoint to {args.output}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="voxgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _synth_parser(sub)
+    _checkpoint_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except VoxgateError as exc:
+        print(f"voxgate: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
