@@ -51,7 +51,8 @@ TINY_DECODER = dict(REAL_DECODER, latent_dim=32, codebook_dim=16, decoder_dim=64
 REAL_ENCODER = dict(codebook_size=2048, codebook_dim=256, num_quantizers=32, hidden_size=512, frame_rate=12.5,
                     sampling_rate=24000)
 TINY_ENCODER = dict(REAL_ENCODER, codebook_dim=16, hidden_size=16, num_filters=4, num_hidden_layers=1,
-                    num_attention_heads=2, num_key_value_heads=2, head_dim=8, intermediate_size=32, upsample_groups=16)
+                    num_attention_heads=2, num_key_value_heads=2, head_dim=8, intermediate_size=32, upsample_groups=16,
+                    vector_quantization_hidden_dimension=16)
 TINY_SPEAKER_ENCODER = dict(enc_channels=[16, 16, 16, 16, 48], enc_kernel_sizes=[5, 3, 3, 3, 1],
                             enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=8, enc_res2net_scale=4,
                             enc_se_channels=8, sample_rate=24000)

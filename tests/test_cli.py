@@ -1,0 +1,77 @@
+"""The `voxgate synth` and `voxgate make-checkpoint` commands, run as a user runs them (a subprocess)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def voxgate(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if cache is not None:
+        env["XDG_CACHE_HOME"] = str(cache)
+    return subprocess.run([sys.executable, "-m", "realtime.cli", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_synth_with_the_embedded_default_model(tmp_path):
+    """The README's first command: no --model, the tiny default is built on first use and cached."""
+    cache = tmp_path / "cache"
+    out, codes_out = tmp_path / "hello.wav", tmp_path / "codes.npy"
+    run = voxgate("synth", "--text", "Hello from voxgate.", "--max-frames", "6", "--seed", "3",
+                  "--codes-out", codes_out, "-o", out, cache=cache)
+    assert run.returncode == 0, run.stderr
+    audio, rate = sf.read(out)
+    codes = np.load(codes_out)
+    assert rate == 24000
+    assert codes.shape[1] == 16 and 1 <= codes.shape[0] <= 6 and codes.dtype.kind == "i"
+    assert len(audio) == codes.shape[0] * 1920
+    assert np.abs(audio).max() > 0
+    assert (cache / "voxgate" / "models").is_dir()
+    again = voxgate("synth", "--text", "Hello from voxgate.", "--max-frames", "6", "--seed", "3",
+                    "--codes-out", tmp_path / "again.npy", "-o", tmp_path / "again.wav", cache=cache)
+    assert again.returncode == 0, again.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "again.npy"), codes)  # same seed, same codes
+
+
+def test_synth_greedy_with_every_option(tiny_checkpoints, tmp_path):
+    out, codes_out = tmp_path / "out.wav", tmp_path / "codes.npy"
+    run = voxgate("synth", "--model", tiny_checkpoints["custom_voice"], "--text", "Bonjour tout le monde.",
+                  "--speaker", "Serena", "--instruct", "Cheerful.", "--language", "fr", "--greedy",
+                  "--max-frames", "4", "--text-layout", "streaming", "--codes-out", codes_out, "-o", out)
+    assert run.returncode == 0, run.stderr
+    assert np.load(codes_out).shape == (4, 16)
+    assert sf.info(out).frames == 4 * 1920
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--speaker", "nobody"], "unknown speaker 'nobody'; choose one of: aiden"),
+    (["--speaker", "vivian", "--language", "xx"], "unknown language 'xx'"),
+    (["--speaker", "vivian", "--max-frames", "0"], "--max-frames must be at least 1"),
+])
+def test_synth_errors_are_one_clear_line(tiny_checkpoints, tmp_path, args, message):
+    run = voxgate("synth", "--model", tiny_checkpoints["custom_voice"], "--text", "Hi.", *args,
+                  "-o", tmp_path / "x.wav")
+    assert run.returncode == 2
+    assert message in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_synth_reports_a_missing_model_directory(tmp_path):
+    run = voxgate("synth", "--model", tmp_path / "nope", "--text", "Hi.", "-o", tmp_path / "x.wav")
+    assert run.returncode == 2 and "model directory not found" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_make_checkpoint_writes_the_official_layout(tmp_path):
+    out = tmp_path / "ckpt"
+    run = voxgate("make-checkpoint", "--size", "tiny", "--variant", "voice_design", "-o", out)
+    assert run.returncode == 0, run.stderr
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["config.json", "generation_config.json", "merges.txt", "model.safetensors",
+                     "speech_tokenizer/config.json", "speech_tokenizer/model.safetensors",
+                     "speech_tokenizer/preprocessor_config.json", "tokenizer_config.json", "vocab.json"]
