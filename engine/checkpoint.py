@@ -1,6 +1,7 @@
 """Load the official checkpoint layout into our modules, naming any missing or malformed file or tensor."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from engine.errors import CheckpointError
 
 # Tensors the checkpoint carries that decoding never reads: the quantizer's encode-side projections.
-UNUSED_DECODER_TENSORS = ("quantizer.rvq_first.input_proj.weight", "quantizer.rvq_rest.input_proj.weight")
+UNUSED_DECODER_TENSORS = frozenset({"quantizer.rvq_first.input_proj.weight", "quantizer.rvq_rest.input_proj.weight"})
 
 
 def read_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
@@ -25,11 +26,14 @@ def read_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def load_module(module: nn.Module, tensors: dict[str, torch.Tensor], source: str,
-                ignore: tuple[str, ...] = ()) -> None:
-    """Copy `tensors` into `module`'s parameters, requiring an exact match of names and shapes."""
+                is_unused: Callable[[str], bool] = lambda name: False) -> None:
+    """Copy `tensors` into `module`'s parameters, requiring an exact match of names and shapes.
+
+    `is_unused` names the checkpoint tensors the module knowingly does without; any other stray tensor means the
+    file does not belong to this config."""
     expected = module.state_dict()
     missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected) - set(ignore))
+    unexpected = sorted(name for name in set(tensors) - set(expected) if not is_unused(name))
     if missing:
         raise CheckpointError(f"{source}: missing tensors {_few(missing)}")
     if unexpected:

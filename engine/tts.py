@@ -70,7 +70,7 @@ class TTSModel:
             talker, decoder = Talker(config.talker), CodecDecoder(speech.decoder)
         load_module(talker, read_tensors(model_dir / "model.safetensors", "talker."), "model.safetensors (talker)")
         load_module(decoder, read_tensors(model_dir / "speech_tokenizer" / "model.safetensors", "decoder."),
-                    "speech_tokenizer/model.safetensors (decoder)", ignore=UNUSED_DECODER_TENSORS)
+                    "speech_tokenizer/model.safetensors (decoder)", is_unused=UNUSED_DECODER_TENSORS.__contains__)
         target = torch.device(device)
         talker = talker.to(target, dtype).eval()
         decoder = decoder.to(target, dtype).eval()
@@ -123,7 +123,7 @@ class TTSModel:
         return Voice(speaker=request.speaker.lower(), instruct=request.instruct or None)
 
     def _clone_voice(self, request: VoiceRequest) -> Voice:
-        from engine.model.reference_encoder import load_reference_audio
+        from engine.model.reference_encoder import load_reference_audio, resample, to_mono
 
         if request.instruct:
             raise RequestError("a Base (voice clone) model does not take instructions")
@@ -132,8 +132,9 @@ class TTSModel:
         if not request.x_vector_only and not (request.ref_text or "").strip():
             raise RequestError("voice cloning needs the reference audio's transcript (or x-vector-only mode)")
         audio, rate = (load_reference_audio(request.ref_audio) if isinstance(request.ref_audio, Path)
-                       else request.ref_audio)
-        xvector = self.speaker_encoder.embed(audio, rate).to(self.device, self.dtype)
+                       else (to_mono(request.ref_audio[0]), int(request.ref_audio[1])))
+        audio_24k = resample(audio, rate, self.config.speaker_encoder.sample_rate)
+        xvector = self.speaker_encoder.embed(audio_24k).to(self.device, self.dtype)
         if request.x_vector_only:
             return Voice(xvector=xvector)
         codes = self.reference_encoder.encode(audio, rate).to(self.device)
@@ -159,7 +160,7 @@ class TTSModel:
         if self._reference_encoder is None:
             from engine.model.reference_encoder import ReferenceEncoder
 
-            self._reference_encoder = ReferenceEncoder.load(self.model_dir, self.speech, self.device)
+            self._reference_encoder = ReferenceEncoder.from_dir(self.model_dir / "speech_tokenizer", self.device)
         return self._reference_encoder
 
     def prompt(self, text: str, voice: Voice, language: str, layout: str | None = None) -> tuple[Prompt, int]:
@@ -183,7 +184,8 @@ class TTSModel:
         sampling = sampling or SamplingParams.from_defaults(self.config.generation)
         limit = max_frames if max_frames is not None else guard.limit(text_tokens)
         frames = list(generate_frames(self.talker, prompt, sampling, limit))
-        codes = torch.stack(frames) if frames else torch.zeros(0, 16, dtype=torch.long, device=self.device)
+        codes = (torch.stack(frames) if frames else
+                 torch.zeros(0, self.config.talker.num_code_groups, dtype=torch.long, device=self.device))
         return Synthesis(codes=codes.cpu(), audio=self.decode(codes, voice.ref_codes), sample_rate=self.sample_rate)
 
     @torch.inference_mode()

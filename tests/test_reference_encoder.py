@@ -1,0 +1,228 @@
+"""Reference-audio encoder (Mimi, encoder half) against the reference qwen-tts speech tokenizer, and audio loading."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import types
+from pathlib import Path
+
+import librosa
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from engine.checkpoint import load_module
+
+import transformers  # noqa: F401  (must be imported before the torchaudio stubs below)
+
+for _name in ("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi"):
+    sys.modules.setdefault(_name, types.ModuleType(_name))  # qwen_tts imports torchaudio; no wheel for this torch
+
+from qwen_tts import Qwen3TTSTokenizer  # noqa: E402
+from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config  # noqa: E402
+from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from engine.config import parse_speech_tokenizer_config, read_json  # noqa: E402
+from engine.errors import AudioInputError, CheckpointError  # noqa: E402
+from engine.model.reference_encoder import ReferenceEncoder, load_reference_audio, resample  # noqa: E402
+from engine.model_configs import SPEECH_PREPROCESSOR, speech_tokenizer_config  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and OpenMP spin-waits crawl on a shared, busy CPU."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _tiny_config() -> dict:
+    config = speech_tokenizer_config("tiny")
+    encoder = config["encoder_config"]
+    # Two Mimi defaults only fit the real widths (no-ops once model_configs.TINY_ENCODER sets them): the decoder-side
+    # ConvTranspose has upsample_groups=512 groups, which must divide hidden_size, and the quantizer projects to
+    # vector_quantization_hidden_dimension=256, which must equal codebook_dim.
+    encoder.setdefault("upsample_groups", encoder["hidden_size"])
+    encoder.setdefault("vector_quantization_hidden_dimension", encoder["codebook_dim"])
+    return config
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = Qwen3TTSTokenizerV2Model(Qwen3TTSTokenizerV2Config(**_tiny_config()))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():  # Mimi's codebooks start all-zero: random centroids
+            if name.startswith("encoder.quantizer") and name.endswith("embed_sum"):
+                buf.copy_(torch.randn_like(buf))
+        for name, param in model.named_parameters():  # Mimi's init leaves the transformer a near no-op: wake it up
+            if name.startswith("encoder.encoder_transformer") and name.endswith("layer_scale.scale"):
+                param.copy_(torch.rand_like(param) + 0.5)
+            elif name.startswith("encoder.encoder_transformer") and name.endswith(("proj.weight", "fc1.weight",
+                                                                                  "fc2.weight")):
+                param.normal_(0.0, param.shape[1] ** -0.5)
+    path = tmp_path_factory.mktemp("speech_tokenizer")
+    model.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(SPEECH_PREPROCESSOR))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer_dir) -> Qwen3TTSTokenizer:
+    return Qwen3TTSTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def ours(tokenizer_dir) -> ReferenceEncoder:
+    return ReferenceEncoder.from_dir(tokenizer_dir)
+
+
+def _signal(seconds: float, sr: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(round(seconds * sr))) / sr
+    wav = 0.3 * np.sin(2 * np.pi * 220 * t) * np.sin(2 * np.pi * 2 * t) + 0.1 * rng.standard_normal(t.size)
+    return wav.astype(np.float32)
+
+
+@pytest.mark.parametrize("sr, seconds", [(24000, 2.0), (16000, 2.0), (44100, 1.23), (24000, 1.0 + 7 / 24000)])
+def test_codes_equal_reference(reference, ours, sr, seconds):
+    wav = _signal(seconds, sr, seed=sr)
+    expected = reference.encode(wav, sr=sr).audio_codes[0]
+    got = ours.encode(wav, sr)
+    n24 = resample(wav, sr, 24000).size
+    assert got.dtype == torch.long and got.shape == (int(np.ceil(n24 / 1920)), 16)
+    assert torch.equal(got, expected)
+    assert len(torch.unique(got[:, 0])) > 1  # the comparison is not vacuous
+
+
+def test_long_clip_equals_reference(reference, ours):
+    """Over 10 s the SEANet output exceeds Mimi's 250-step `sliding_window`, which the reference's transformers
+    (4.57) does not apply: attention stays fully causal (a 250-step window changes these codes)."""
+    wav = _signal(12.0, 24000, seed=7)
+    expected = reference.encode(wav, sr=24000).audio_codes[0]
+    assert torch.equal(ours.encode(wav, 24000), expected)
+
+
+def test_real_size_layout_matches_reference_on_meta():
+    config = speech_tokenizer_config("0b6")
+    with torch.device("meta"):
+        reference = Qwen3TTSTokenizerV2Model(Qwen3TTSTokenizerV2Config(**config))
+        ours = ReferenceEncoder(parse_speech_tokenizer_config(config))
+    theirs = {k.removeprefix("encoder."): v.shape for k, v in reference.state_dict().items()
+              if k.startswith("encoder.")}
+    mine = {k: v.shape for k, v in ours.state_dict().items()}
+    assert all(theirs.get(k) == shape for k, shape in mine.items())
+    assert "quantizer.acoustic_residual_vector_quantizer.input_proj.weight" in mine  # 512 -> 256 projection
+    assert ours.samples_per_frame == 1920 and ours.num_quantizers == 16
+
+
+def test_stereo_numpy_input_is_downmixed_like_reference(reference, ours):
+    wav = np.stack([_signal(1.0, 24000, 1), _signal(1.0, 24000, 2)], axis=1)  # [T, 2]
+    assert torch.equal(ours.encode(wav, 24000), reference.encode(wav, sr=24000).audio_codes[0])
+
+
+def test_resample_equals_librosa():
+    # 54243 samples at 44.1 kHz: librosa's float ratio makes ceil(n * ratio) 29521, not the exact 29520.
+    for sr, n in [(8000, 6161), (16000, 32001), (22050, 16977), (44100, 54243), (48000, 36961), (24000, 5000)]:
+        wav = _signal(n / sr, sr, seed=sr)
+        expected = librosa.resample(wav, orig_sr=sr, target_sr=24000)
+        got = resample(wav, sr, 24000)
+        assert got.dtype == np.float32 and np.array_equal(got, expected)
+
+
+def test_feature_extractor_is_identity_for_one_mono_clip(reference):
+    wav = _signal(1.3, 24000)
+    features = reference.feature_extractor(raw_audio=[wav], sampling_rate=24000, return_tensors="pt")
+    assert features["input_values"].shape == (1, 1, wav.size)
+    assert np.array_equal(features["input_values"][0, 0].numpy(), wav)
+    assert bool(features["padding_mask"].all())
+
+
+def test_state_dict_names_are_the_checkpoint_encoder_names(tokenizer_dir, ours):
+    with safe_open(str(tokenizer_dir / "model.safetensors"), framework="pt") as f:
+        checkpoint = {k.removeprefix("encoder.") for k in f.keys() if k.startswith("encoder.")}
+    ours_names = set(ours.state_dict())
+    assert ours_names <= checkpoint
+    # what the checkpoint has beyond ours: acoustic codebooks 15..30 (past the 1 + 15 valid ones), the decoder-side
+    # output projections, and the codebooks' `initialized` flags
+    def unused(name: str) -> bool:
+        late = re.match(r"quantizer\.acoustic_residual_vector_quantizer\.layers\.(\d+)\.", name)
+        return name.endswith((".initialized", "output_proj.weight")) or (late is not None and int(late[1]) >= 15)
+
+    assert all(unused(k) for k in checkpoint - ours_names), sorted(checkpoint - ours_names)
+    assert {k.split(".")[0] for k in ours_names} == {"encoder", "encoder_transformer", "downsample", "quantizer"}
+
+
+def test_bad_weights_are_named(tokenizer_dir):
+    tensors = load_file(str(tokenizer_dir / "model.safetensors"))
+    key = "encoder.downsample.conv.weight"
+    assert key in tensors
+    bad = dict(tensors)
+    bad[key] = bad[key][:, :1]
+    del bad["encoder.encoder_transformer.layers.0.mlp.fc1.weight"]
+    encoder = ReferenceEncoder(parse_speech_tokenizer_config(read_json(tokenizer_dir / "config.json")))
+
+    def load(state):
+        encoder_state = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
+        load_module(encoder, encoder_state, "encoder", is_unused=encoder.is_unused_tensor)
+
+    with pytest.raises(CheckpointError, match=r"missing tensors encoder_transformer\.layers\.0\.mlp\.fc1\.weight"):
+        load(bad)
+    bad["encoder.encoder_transformer.layers.0.mlp.fc1.weight"] = tensors["encoder.encoder_transformer.layers.0.mlp.fc1.weight"]
+    with pytest.raises(CheckpointError, match=r"downsample\.conv\.weight has shape"):
+        load(bad)
+    stray = dict(tensors)
+    stray["encoder.encoder_transformer.layers.7.mlp.fc1.weight"] = torch.zeros(1)
+    with pytest.raises(CheckpointError, match=r"unexpected tensors encoder_transformer\.layers\.7"):
+        load(stray)
+    with pytest.raises(CheckpointError, match="missing checkpoint file"):
+        ReferenceEncoder.from_dir(tokenizer_dir / "nowhere")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# load_reference_audio
+# ---------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, ext", [("WAV", "wav"), ("FLAC", "flac"), ("OGG", "ogg")])
+def test_load_reference_audio_formats(tmp_path, fmt, ext):
+    wav = _signal(0.8, 16000)
+    path = tmp_path / f"ref.{ext}"
+    sf.write(path, np.stack([wav, 0.5 * wav], axis=1), 16000, format=fmt)
+    audio, sr = load_reference_audio(path)
+    assert sr == 16000 and audio.dtype == np.float32 and audio.shape == wav.shape
+    expected, _ = librosa.load(path, sr=None, mono=True)  # what the reference reads
+    np.testing.assert_array_equal(audio, expected)
+
+
+def test_load_reference_audio_errors(tmp_path):
+    with pytest.raises(AudioInputError, match="not found.*missing.wav"):
+        load_reference_audio(tmp_path / "missing.wav")
+    garbage = tmp_path / "garbage.wav"
+    garbage.write_bytes(b"this is not audio at all" * 10)
+    with pytest.raises(AudioInputError, match="cannot read.*garbage.wav"):
+        load_reference_audio(garbage)
+    empty = tmp_path / "empty.wav"
+    sf.write(empty, np.zeros(0, dtype=np.float32), 24000)
+    with pytest.raises(AudioInputError, match="empty.wav is empty"):
+        load_reference_audio(empty)
+    short = tmp_path / "short.wav"
+    sf.write(short, np.zeros(11999, dtype=np.float32), 24000)
+    with pytest.raises(AudioInputError, match=r"short.wav is too short \(0.50 s\)"):
+        load_reference_audio(short)
+    directory = tmp_path / "dir.wav"
+    directory.mkdir()
+    with pytest.raises(AudioInputError, match="not found"):
+        load_reference_audio(directory)
+    broken = tmp_path / "nan.wav"
+    sf.write(broken, np.full(12000, np.nan, dtype=np.float32), 24000, subtype="FLOAT")
+    with pytest.raises(AudioInputError, match="nan.wav contains NaN"):
+        load_reference_audio(broken)
+    silent = tmp_path / "silent.wav"
+    sf.write(silent, np.zeros(12000, dtype=np.float32), 24000)  # exactly 0.5 s of silence is accepted
+    audio, sr = load_reference_audio(silent)
+    assert audio.shape == (12000,) and sr == 24000
