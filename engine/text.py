@@ -13,10 +13,7 @@ from tokenizers.models import BPE
 
 from engine.errors import CheckpointError
 
-QWEN_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+from engine.tokenizer_files import FILES as TOKENIZER_FILES, QWEN_SPLIT_PATTERN
 
 
 def _special_tokens(config_path: Path) -> list[tuple[int, str]]:

@@ -59,3 +59,14 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     return {variant: write_random_checkpoint(root / variant, "tiny", variant, seed=1) for variant in VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and OpenMP spin-waits crawl on a shared, busy CPU."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

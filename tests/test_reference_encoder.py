@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-import types
 from pathlib import Path
 
 import librosa
@@ -13,32 +11,21 @@ import pytest
 import soundfile as sf
 import torch
 
+import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
+
+from qwen_tts import Qwen3TTSTokenizer
+from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
+from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
+from safetensors import safe_open
+from safetensors.torch import load_file
+
 from engine.checkpoint import load_module
+from engine.config import parse_speech_tokenizer_config, read_json
+from engine.errors import AudioInputError, CheckpointError
+from engine.model.reference_encoder import ReferenceEncoder, load_reference_audio, resample
+from engine.model_configs import SPEECH_PREPROCESSOR, speech_tokenizer_config
 
-import transformers  # noqa: F401  (must be imported before the torchaudio stubs below)
-
-for _name in ("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi"):
-    sys.modules.setdefault(_name, types.ModuleType(_name))  # qwen_tts imports torchaudio; no wheel for this torch
-
-from qwen_tts import Qwen3TTSTokenizer  # noqa: E402
-from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config  # noqa: E402
-from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from engine.config import parse_speech_tokenizer_config, read_json  # noqa: E402
-from engine.errors import AudioInputError, CheckpointError  # noqa: E402
-from engine.model.reference_encoder import ReferenceEncoder, load_reference_audio, resample  # noqa: E402
-from engine.model_configs import SPEECH_PREPROCESSOR, speech_tokenizer_config  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and OpenMP spin-waits crawl on a shared, busy CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_config() -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.tokenizer_files import QWEN_SPLIT_PATTERN, SPECIAL_TOKENS, special_token_ids, write_tokenizer_files
+from engine.tokenizer_files import SPECIAL_TOKENS, special_token_ids, write_tokenizer_files
 
 FRAMES = 8
 SAMPLES_PER_FRAME = 1920
@@ -40,7 +40,6 @@ def test_tokenizer_files_module_does_not_import_transformers() -> None:
 
 
 def test_transformers_loads_tokenizer_files(tokenizer_dir: Path) -> None:
-    import tests.reference  # noqa: F401  (torchaudio shim before transformers' tokenizer machinery)
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -53,21 +52,16 @@ def test_transformers_loads_tokenizer_files(tokenizer_dir: Path) -> None:
     assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
 
 
-def test_tokenizers_library_matches_transformers(tokenizer_dir: Path) -> None:
-    import tests.reference  # noqa: F401
+def test_engine_tokenizer_matches_transformers(tokenizer_dir: Path) -> None:
+    """Our runtime tokenizer (`tokenizers` alone, from the checkpoint files) gives transformers' ids."""
     import transformers
-    from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
 
-    ours = Tokenizer(BPE.from_file(str(tokenizer_dir / "vocab.json"), str(tokenizer_dir / "merges.txt")))
-    ours.normalizer = normalizers.NFC()
-    ours.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    ours.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, _ in SPECIAL_TOKENS])
+    from engine.text import TextTokenizer, load_tokenizer
+
+    ours = TextTokenizer(load_tokenizer(tokenizer_dir))
     theirs = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
     for text in TEXTS:
-        assert ours.encode(text).ids == theirs(text)["input_ids"], text
+        assert ours.encode(text) == theirs(text)["input_ids"], text
 
 
 def test_reference_processor_matches_on_plain_text(reference_models: dict, tokenizer_dir: Path) -> None:

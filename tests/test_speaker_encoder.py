@@ -1,37 +1,24 @@
 """Our ECAPA-TDNN speaker encoder and mel front end against the reference qwen-tts implementation."""
 from __future__ import annotations
 
-import sys
-import types
 
 import librosa
 import numpy as np
 import pytest
 import torch
 
+import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
+
+from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
+from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder, mel_spectrogram
+
 from engine.checkpoint import load_module
+from engine.config import SpeakerEncoderConfig
+from engine.errors import AudioInputError, CheckpointError
+from engine.model.speaker_encoder import SpeakerEncoder, slaney_mel_filterbank, speaker_mel
+from engine.model_configs import TINY_SPEAKER_ENCODER
 
-import transformers  # noqa: F401  (must be imported before the torchaudio stubs below)
-
-for _name in ("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi"):
-    sys.modules.setdefault(_name, types.ModuleType(_name))  # qwen_tts imports torchaudio; no wheel for this torch
-
-from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig  # noqa: E402
-from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder, mel_spectrogram  # noqa: E402
-
-from engine.config import SpeakerEncoderConfig  # noqa: E402
-from engine.errors import AudioInputError, CheckpointError  # noqa: E402
-from engine.model.speaker_encoder import SpeakerEncoder, slaney_mel_filterbank, speaker_mel  # noqa: E402
-from engine.model_configs import TINY_SPEAKER_ENCODER  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and OpenMP spin-waits crawl on a shared, busy CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _speech_like(seconds: float, sr: int = 24000, seed: int = 0) -> np.ndarray:

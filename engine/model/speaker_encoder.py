@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import SpeakerEncoderConfig
-from engine.errors import AudioInputError, CheckpointError
+from engine.errors import AudioInputError
 
 # The mel front end the speaker encoder was trained on (fixed, not part of the config).
 MEL_SAMPLE_RATE = 24000
