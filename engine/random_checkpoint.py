@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.config import parse_model_config, parse_speech_tokenizer_config
+from engine.config import SpeechTokenizerConfig, parse_model_config, parse_speech_tokenizer_config
 from engine.model.codec_decoder import CodecDecoder
+from engine.model.reference_encoder import ReferenceEncoder
 from engine.model.speaker_encoder import SpeakerEncoder
 from engine.model.talker import Talker
 from engine.model_configs import GENERATION_CONFIG, SPEECH_PREPROCESSOR, model_config, speech_tokenizer_config
@@ -25,52 +26,64 @@ DEFAULT_VARIANT = "custom_voice"
 DEFAULT_MODEL_VERSION = 1  # bump when the tiny default model's recipe changes, so caches are rebuilt
 
 
-def build_modules(size: str, variant: str) -> dict[str, dict[str, nn.Module]]:
-    """Uninitialised modules on the meta device, grouped by file and tensor-name prefix."""
+def _prefixed(prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
+    return {prefix + name: tensor for name, tensor in module.state_dict().items()}
+
+
+def _decoder_tensors(speech: SpeechTokenizerConfig) -> dict[str, torch.Tensor]:
+    """The decoder's tensors plus the encode-side projections the official file carries (decoding never reads
+    them)."""
+    tensors = _prefixed("decoder.", CodecDecoder(speech.decoder))
+    dim = speech.decoder.codebook_dim
+    for group in ("rvq_first", "rvq_rest"):
+        tensors[f"decoder.quantizer.{group}.input_proj.weight"] = torch.empty(dim // 2, dim, 1)
+    return tensors
+
+
+def _encoder_tensors(speech: SpeechTokenizerConfig) -> dict[str, torch.Tensor]:
+    """Mimi's encoder half as the official file stores it: what our reference encoder reads, plus the codebooks
+    past the valid count, the output projections and the codebooks' `initialized` flags."""
+    encoder = ReferenceEncoder(speech)
+    tensors = _prefixed("encoder.", encoder)
+    spec = encoder.spec
+    groups = {"semantic": spec.num_semantic_quantizers, "acoustic": spec.num_quantizers - spec.num_semantic_quantizers}
+    for kind, books in groups.items():
+        base = f"encoder.quantizer.{kind}_residual_vector_quantizer"
+        first = f"{base}.layers.0.codebook."
+        for book in range(books):
+            layer = f"{base}.layers.{book}.codebook."
+            tensors.setdefault(layer + "cluster_usage", torch.empty_like(tensors[first + "cluster_usage"]))
+            tensors.setdefault(layer + "embed_sum", torch.empty_like(tensors[first + "embed_sum"]))
+            tensors[layer + "initialized"] = torch.empty(1)
+        projection = tensors.get(f"{base}.input_proj.weight")
+        if projection is not None:
+            tensors[f"{base}.output_proj.weight"] = torch.empty(projection.shape[1], projection.shape[0], 1)
+    return tensors
+
+
+def build_tensors(size: str, variant: str) -> dict[str, dict[str, torch.Tensor]]:
+    """file -> tensor name -> an uninitialised tensor on the meta device."""
     config = parse_model_config(model_config(size, variant))
-    speech = speech_tokenizer_config(size)
+    speech = parse_speech_tokenizer_config(speech_tokenizer_config(size))
     with torch.device("meta"):
-        main: dict[str, nn.Module] = {"talker.": Talker(config.talker)}
+        main = _prefixed("talker.", Talker(config.talker))
         if config.speaker_encoder is not None:
-            main["speaker_encoder."] = SpeakerEncoder(config.speaker_encoder)
-        codec = {"decoder.": CodecDecoder(parse_speech_tokenizer_config(speech).decoder),
-                 "decoder.quantizer.": _QuantizerInputProjections(speech["decoder_config"]),
-                 "encoder.": _mimi_encoder(speech["encoder_config"])}
+            main |= _prefixed("speaker_encoder.", SpeakerEncoder(config.speaker_encoder))
+        codec = _decoder_tensors(speech) | _encoder_tensors(speech)
     return {"model.safetensors": main, "speech_tokenizer/model.safetensors": codec}
-
-
-class _QuantizerInputProjections(nn.Module):
-    """The encode-side projections the official decoder file carries (decoding never reads them)."""
-
-    def __init__(self, decoder_config: dict) -> None:
-        super().__init__()
-        dim = decoder_config["codebook_dim"]
-        self.rvq_first = nn.ModuleDict({"input_proj": nn.Conv1d(dim, dim // 2, 1, bias=False)})
-        self.rvq_rest = nn.ModuleDict({"input_proj": nn.Conv1d(dim, dim // 2, 1, bias=False)})
-
-
-def _mimi_encoder(encoder_config: dict) -> nn.Module:
-    """transformers' Mimi without its decoder half, as the official speech tokenizer stores it."""
-    from transformers import MimiConfig, MimiModel
-
-    mimi = MimiModel(MimiConfig(**encoder_config))
-    for name in ("upsample", "decoder_transformer", "decoder"):
-        delattr(mimi, name)
-    return mimi
 
 
 def tensor_shapes(size: str, variant: str) -> dict[str, dict[str, tuple[int, ...]]]:
     """file -> tensor name -> shape, without allocating anything (CI checks real sizes this way)."""
-    return {file: {prefix + name: tuple(t.shape) for prefix, module in modules.items()
-                   for name, t in module.state_dict().items()}
-            for file, modules in build_modules(size, variant).items()}
+    return {file: {name: tuple(t.shape) for name, t in tensors.items()}
+            for file, tensors in build_tensors(size, variant).items()}
 
 
 def _randomize(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
     """Values that keep a random model numerically lively: unit norms, fan-in scaled weights, and O(1) layer
     scales and Snake parameters so the random decoder is not near-silent."""
     leaf = name.rsplit(".", 1)[-1]
-    if leaf in ("cluster_usage",) or name.endswith("norm.weight") or "layernorm" in name:
+    if leaf in ("cluster_usage", "initialized") or name.endswith("norm.weight") or "layernorm" in name:
         tensor.fill_(1.0)
     elif leaf in ("scale", "gamma"):
         tensor.uniform_(0.5, 1.0, generator=generator)
@@ -94,13 +107,12 @@ def write_random_checkpoint(out_dir: Path, size: str, variant: str, seed: int = 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "speech_tokenizer").mkdir(exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
-    for file, modules in build_modules(size, variant).items():
+    for file, metas in build_tensors(size, variant).items():
         tensors = {}
-        for prefix, module in modules.items():
-            for name, meta in module.state_dict().items():
-                value = torch.empty(meta.shape, dtype=torch.float32)
-                _randomize(prefix + name, value, generator)
-                tensors[prefix + name] = value.to(dtype)
+        for name, meta in metas.items():
+            value = torch.empty(meta.shape, dtype=torch.float32)
+            _randomize(name, value, generator)
+            tensors[name] = value.to(dtype)
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
         del tensors
     _write_json(out_dir / "config.json", model_config(size, variant))
