@@ -63,9 +63,27 @@ class PromptBuilder:
 
     def build(self, voice: Voice, role_ids: list[int], text_ids: list[int], instruct_ids: list[int] | None,
               language: str, layout: str) -> Prompt:
-        cfg, tcfg = self.config, self.config.talker
+        cfg = self.config
         bos_t, eos_t, pad_t = self.text([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
-        lang_id = language_id(cfg, language, voice.speaker)
+        prefix, codec_bos = self._prefix(voice, role_ids, instruct_ids, language, bos_t, pad_t)
+        if voice.ref_codes is not None:
+            body, trailing = self._icl(voice, text_ids, codec_bos, eos_t, pad_t, layout)
+        elif layout == "streaming":
+            body = self.text(text_ids[:1]) + codec_bos
+            trailing = torch.cat((self.text(text_ids[1:]), eos_t[None]))
+        else:
+            text_part = torch.cat((self.text(text_ids), eos_t[None]))
+            body = torch.cat((text_part + self.codec([cfg.talker.codec_pad_id]), (pad_t + codec_bos)[None]))
+            trailing = _no_text(pad_t)
+        return Prompt(prefill=torch.cat([*prefix, body]), trailing_text=trailing, pad=pad_t)
+
+    def _prefix(self, voice: Voice, role_ids: list[int], instruct_ids: list[int] | None, language: str,
+                bos_t: torch.Tensor, pad_t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Instruction, role, then the codec tags (think, language, speaker) under tts_pad ... tts_bos.
+
+        Returns the prefix pieces and C(codec_bos), which the body places under the first text position."""
+        tcfg = self.config.talker
+        lang_id = language_id(self.config, language, voice.speaker)
         tags = ([tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id] if lang_id is None else
                 [tcfg.codec_think_id, tcfg.codec_think_bos_id, lang_id, tcfg.codec_think_eos_id])
         codec = [self.codec(tags)]
@@ -74,22 +92,10 @@ class PromptBuilder:
             codec.append(speaker[None])
         codec.append(self.codec([tcfg.codec_pad_id, tcfg.codec_bos_id]))
         codec_track = torch.cat(codec)
-        # The tag/speaker/pad positions carry tts_pad on the text track, the last of them tts_bos.
         text_track = torch.cat((pad_t.expand(codec_track.shape[0] - 2, -1), bos_t[None]))
-        parts = [] if instruct_ids is None else [self.text(instruct_ids)]
-        parts += [self.text(role_ids), text_track + codec_track[:-1]]
-        codec_bos = codec_track[-1]
-        if voice.ref_codes is not None:
-            body, trailing = self._icl(voice, text_ids, codec_bos, eos_t, pad_t, layout)
-        elif layout == "streaming":
-            body = self.text(text_ids[:1]) + codec_bos
-            trailing = torch.cat((self.text(text_ids[1:]), eos_t[None]))
-        else:
-            text_part = torch.cat((self.text(text_ids), eos_t[None]))
-            body = torch.cat((text_part + self.codec([tcfg.codec_pad_id]), (pad_t + codec_bos)[None]))
-            trailing = pad_t.new_zeros(0, pad_t.shape[-1])
-        prefill = torch.cat([*parts, body])
-        return Prompt(prefill=prefill, trailing_text=trailing, pad=pad_t)
+        prefix = [] if instruct_ids is None else [self.text(instruct_ids)]
+        prefix += [self.text(role_ids), text_track + codec_track[:-1]]
+        return prefix, codec_track[-1]
 
     def _speaker_vector(self, voice: Voice) -> torch.Tensor | None:
         if voice.xvector is not None:
@@ -106,8 +112,13 @@ class PromptBuilder:
         codec = torch.cat((codec_bos[None], self.talker.frame_embed(ref)))
         if layout == "prefill":
             body = torch.cat((text + self.codec([self.config.talker.codec_pad_id]), codec + pad_t))
-            return body, pad_t.new_zeros(0, pad_t.shape[-1])
+            return body, _no_text(pad_t)
         if text.shape[0] > codec.shape[0]:
             return text[: codec.shape[0]] + codec, text[codec.shape[0]:]
         padded = torch.cat((text, pad_t.expand(codec.shape[0] - text.shape[0], -1)))
-        return padded + codec, pad_t.new_zeros(0, pad_t.shape[-1])
+        return padded + codec, _no_text(pad_t)
+
+
+def _no_text(pad_t: torch.Tensor) -> torch.Tensor:
+    """An empty text track: every decode step reads tts_pad."""
+    return pad_t.new_zeros(0, pad_t.shape[-1])
