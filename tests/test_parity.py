@@ -12,11 +12,12 @@ from tests.reference import load_reference, reference_generate
 TEXT = "Hello world, this is a quick test of the speech system: 42 apples. 你好，世界！"
 REF_TEXT = "The reference speaker reads this sentence."
 FRAMES = 40
-CASES = [  # (mode, variant, voice request)
-    ("custom_voice", "custom_voice", dict(speaker="Vivian", instruct="Speak a little faster.")),
-    ("voice_design", "voice_design", dict(instruct="A deep, calm male voice.")),
-    ("clone_xvector", "base", dict(x_vector_only=True)),
-    ("clone_icl", "base", dict(ref_text=REF_TEXT)),
+CASES = [  # (mode, variant, language, voice request)
+    ("custom_voice", "custom_voice", "English", dict(speaker="Vivian", instruct="Speak a little faster.")),
+    ("custom_voice", "custom_voice", "Auto", dict(speaker="Eric")),  # a dialect speaker: Sichuanese under auto
+    ("voice_design", "voice_design", "Chinese", dict(instruct="A deep, calm male voice.")),
+    ("clone_xvector", "base", "English", dict(x_vector_only=True)),
+    ("clone_icl", "base", "English", dict(ref_text=REF_TEXT)),
 ]
 
 
@@ -38,17 +39,17 @@ def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("layout", ["prefill", "streaming"])
-@pytest.mark.parametrize("mode,variant,request_args", CASES, ids=[c[0] for c in CASES])
-def test_greedy_parity(models, ref_audio, mode, variant, request_args, layout):
+@pytest.mark.parametrize("mode,variant,language,request_args", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_greedy_parity(models, ref_audio, mode, variant, language, request_args, layout):
     reference, ours = models(variant)
     clone = variant == "base"
     ref_codes, ref_wav, ref_prompt_codes = reference_generate(
         reference, mode, TEXT, speaker=request_args.get("speaker"), instruct=request_args.get("instruct"),
-        ref_audio=ref_audio if clone else None, ref_text=request_args.get("ref_text"), language="English",
+        ref_audio=ref_audio if clone else None, ref_text=request_args.get("ref_text"), language=language,
         non_streaming_mode=layout == "prefill", frames=FRAMES)
     voice = ours.voice(VoiceRequest(ref_audio=ref_audio if clone else None, **request_args))
     greedy = SamplingParams.from_defaults(ours.config.generation, greedy=True)
-    result = ours.synthesize(TEXT, voice, language="English", layout=layout, sampling=greedy, max_frames=FRAMES)
+    result = ours.synthesize(TEXT, voice, language=language, layout=layout, sampling=greedy, max_frames=FRAMES)
 
     assert len(ref_codes) >= 10, "the reference stopped too early for a meaningful comparison"
     if mode == "clone_icl":
