@@ -6,6 +6,7 @@ the tiny test checkpoints all load through the same code.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -263,10 +264,19 @@ def parse_speech_tokenizer_config(data: dict[str, Any]) -> SpeechTokenizerConfig
     )
 
 
+def _parse_file(path: Path, parse: Callable[[dict[str, Any]], Any]) -> Any:
+    """Parse one config file; a field of the wrong type becomes an error naming the file, not a traceback."""
+    data = read_json(path)
+    try:
+        return parse(data)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"malformed checkpoint file {path}: {exc}") from exc
+
+
 def load_model_config(model_dir: Path) -> ModelConfig:
     generation = read_json(model_dir / "generation_config.json")
-    return parse_model_config(read_json(model_dir / "config.json"), generation)
+    return _parse_file(model_dir / "config.json", lambda data: parse_model_config(data, generation))
 
 
 def load_speech_tokenizer_config(model_dir: Path) -> SpeechTokenizerConfig:
-    return parse_speech_tokenizer_config(read_json(model_dir / "speech_tokenizer" / "config.json"))
+    return _parse_file(model_dir / "speech_tokenizer" / "config.json", parse_speech_tokenizer_config)

@@ -103,6 +103,15 @@ def test_config_that_does_not_fit_the_weights(tiny_checkpoints, tmp_path):
         TTSModel.load(path)
 
 
+def test_config_field_of_the_wrong_type_names_the_file(tiny_checkpoints, tmp_path):
+    path = copy_checkpoint(tiny_checkpoints["custom_voice"], tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config["talker_config"]["spk_id"] = ["not", "a", "map"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="malformed checkpoint file .*config.json"):
+        TTSModel.load(path)
+
+
 def test_missing_model_directory(tmp_path):
     with pytest.raises(CheckpointError, match="model directory not found"):
         TTSModel.load(tmp_path / "nowhere")
