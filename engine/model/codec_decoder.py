@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import CodecDecoderConfig
-from engine.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from engine.model.layers import MLP, LayerScale, RMSNorm, RotaryEmbedding, apply_rope
 
 
 @dataclass
@@ -177,15 +177,6 @@ class TransformerLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, position, state, layer)
         x = x + self.self_attn_layer_scale(attn)
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
-
-
-class LayerScale(nn.Module):
-    def __init__(self, channels: int, initial: float) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.full((channels,), initial))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
 
 
 class PreTransformer(nn.Module):

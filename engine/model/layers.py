@@ -27,6 +27,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class LayerScale(nn.Module):
+    """A learnt per-channel scale on a residual branch (the codec transformers use it)."""
+
+    def __init__(self, channels: int, initial: float = 1.0) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((channels,), initial))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
 class RotaryEmbedding(nn.Module):
     """1-D RoPE. The talker's "mRoPE" is exactly this: its three position streams are always equal."""
 

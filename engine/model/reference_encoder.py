@@ -30,7 +30,7 @@ from torch import nn
 from engine.checkpoint import load_module, read_tensors
 from engine.config import SpeechTokenizerConfig, parse_speech_tokenizer_config, read_json
 from engine.errors import AudioInputError, CheckpointError
-from engine.model.layers import RotaryEmbedding, apply_rope
+from engine.model.layers import LayerScale, RotaryEmbedding, apply_rope
 
 MIN_REFERENCE_SECONDS = 0.5
 CHECKPOINT_PREFIX = "encoder."
@@ -275,17 +275,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
-
-
-class LayerScale(nn.Module):
-    """Learnt per-channel scale on a residual branch."""
-
-    def __init__(self, channels: int):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
 
 
 class TransformerLayer(nn.Module):
