@@ -1,4 +1,5 @@
-"""The single-request generation loop: the simple reference path that batched fast paths are checked against."""
+"""Frame sampling shared by every path, and the single-request generation loop: the simple reference path that
+the batched engine is checked against."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import torch
 from engine.model.layers import KVCache
 from engine.model.talker import Talker
 from engine.prompt import Prompt
-from engine.sampling import SamplingParams, choose, process_talker_logits, talker_logits_mask
+from engine.sampling import SamplerBatch, SamplingParams, choose, draw_counter, process_talker_logits, talker_logits_mask
 
 
 @dataclass(frozen=True)
@@ -27,32 +28,55 @@ class RunawayGuard:
         return max(self.min_frames, math.ceil(self.frames_per_token * text_tokens))
 
 
+@dataclass
+class BatchSampling:
+    """The sampling settings of a batch of requests as [B] tensors."""
+
+    talker: SamplerBatch
+    code_predictor: SamplerBatch
+    penalty: torch.Tensor
+    seeds: torch.Tensor
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
+        return cls(SamplerBatch.of([p.talker for p in params], device),
+                   SamplerBatch.of([p.code_predictor for p in params], device),
+                   torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.seed for p in params], dtype=torch.long, device=device))
+
+
+def sample_frame(talker: Talker, hidden: torch.Tensor, seen: torch.Tensor, frame_index: torch.Tensor,
+                 sampling: BatchSampling, suppressed: torch.Tensor) -> torch.Tensor:
+    """Talker hidden states [B, H] -> one frame of codes [B, 16] per row (code 0 may be EOS)."""
+    cfg = talker.cfg
+    logits = process_talker_logits(talker.codec_head(hidden), seen, frame_index, sampling.penalty, suppressed,
+                                   cfg.codec_eos_token_id)
+    code0 = choose(logits, sampling.talker, sampling.seeds, draw_counter(frame_index, 0, cfg.num_code_groups))
+
+    def pick(group: int, sub_logits: torch.Tensor) -> torch.Tensor:
+        counter = draw_counter(frame_index, group + 1, cfg.num_code_groups)
+        return choose(sub_logits, sampling.code_predictor, sampling.seeds, counter)
+
+    rest = talker.code_predictor.predict(hidden, talker.codec_embed(code0), pick)
+    return torch.cat((code0[:, None], rest), dim=1)
+
+
 @torch.inference_mode()
 def generate_frames(talker: Talker, prompt: Prompt, sampling: SamplingParams, max_frames: int) -> Iterator[torch.Tensor]:
     """Yields frames [16] until EOS or `max_frames`."""
     cfg = talker.cfg
     device = prompt.prefill.device
-    generator = None
-    if sampling.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    batch = BatchSampling.of([sampling], device)
     suppressed = talker_logits_mask(cfg.vocab_size, cfg.codec_eos_token_id, device)
     cache = KVCache.empty(cfg.layers.num_hidden_layers)
-    hidden = talker.model(prompt.prefill[None], cache)[:, -1]
-    previous = torch.zeros(1, 0, dtype=torch.long, device=device)
-
-    def pick_sub(_group: int, logits: torch.Tensor) -> torch.Tensor:
-        return choose(logits, sampling.code_predictor, generator)
-
+    hidden = talker.model.extend(prompt.prefill[None], cache)[:, -1]
+    seen = torch.zeros(1, cfg.vocab_size, dtype=torch.bool, device=device)
     for step in range(max_frames):
-        logits = process_talker_logits(talker.codec_head(hidden), previous, step, sampling.repetition_penalty,
-                                       suppressed, cfg.codec_eos_token_id)
-        code0 = choose(logits, sampling.talker, generator)
-        if code0.item() == cfg.codec_eos_token_id:
+        frame = sample_frame(talker, hidden, seen, torch.tensor([step], device=device), batch, suppressed)
+        if frame[0, 0].item() == cfg.codec_eos_token_id:
             return
-        rest = talker.code_predictor.predict(hidden, talker.codec_embed(code0), pick_sub)
-        frame = torch.cat((code0[:, None], rest), dim=1)
         yield frame[0]
-        previous = torch.cat((previous, code0[:, None]), dim=1)
+        seen[0, frame[0, 0]] = True
         if step + 1 < max_frames:
             step_input = talker.frame_embed(frame) + prompt.text_track(step)
-            hidden = talker.model(step_input[:, None], cache)[:, -1]
+            hidden = talker.model.extend(step_input[:, None], cache)[:, -1]

@@ -45,7 +45,7 @@ class CodePredictor(nn.Module):
         x = torch.stack((talker_hidden, code0_embed), dim=1)
         codes = []
         for group in range(self.cfg.num_code_groups - 1):
-            hidden = self.model(self.small_to_mtp_projection(x), cache)
+            hidden = self.model.extend(self.small_to_mtp_projection(x), cache)
             code = pick(group, self.lm_head[group](hidden[:, -1]))
             codes.append(code)
             x = self.model.codec_embedding[group](code)[:, None]

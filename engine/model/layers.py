@@ -5,6 +5,7 @@ SwiGLU) so that greedy decoding reproduces its codes frame for frame.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(q [B, Hq, T, D], k, v [B, Hkv, T, D]) -> [B, Hq, T, D]: stores the new keys/values wherever the caller keeps its
+cache and attends over what each query may see. The model code is the same for every cache layout."""
+
+
 @dataclass
 class LayerKV:
     """One layer's keys and values for one sequence batch, grown by concatenation (the simple reference path)."""
@@ -76,10 +82,15 @@ class LayerKV:
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Causal masking is only needed when the new tokens are the whole sequence (a prefill from empty);
+        # a single new token may see everything before it.
+        if q.shape[2] > 1 and self.k is not None:
+            raise ValueError("multi-token extension of a non-empty cache is not supported on this path")
+        causal = q.shape[2] > 1
         self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
         self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
-        return self.k, self.v
+        return F.scaled_dot_product_attention(q, self.k, self.v, is_causal=causal, enable_gqa=True)
 
     @property
     def length(self) -> int:
@@ -98,6 +109,12 @@ class KVCache:
     def length(self) -> int:
         return self.layers[0].length
 
+    def positions(self, batch: int, new: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.length, self.length + new, device=device).expand(batch, new)
+
+    def attends(self) -> list[Attend]:
+        return [layer.attend for layer in self.layers]
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderLayersConfig) -> None:
@@ -113,19 +130,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Causal masking is only needed when the new tokens are the whole sequence (a prefill from empty);
-        # a single new token may see everything before it.
-        causal = t > 1 and kv.length == 0
-        if t > 1 and kv.length > 0:
-            raise ValueError("multi-token extension of a non-empty cache is not supported on this path")
-        k, v = kv.append(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        out = attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -148,8 +159,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -162,12 +173,15 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
-    def forward(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """embeds [B, T, H] appended after `cache.length` positions; returns post-norm hidden states."""
-        b, t, _ = embeds.shape
-        positions = torch.arange(cache.length, cache.length + t, device=embeds.device).expand(b, t)
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attends: list[Attend]) -> torch.Tensor:
+        """embeds [B, T, H] at positions [B, T]; `attends[i]` serves layer i's cache. Post-norm hidden states."""
         cos, sin = self.rotary(positions, embeds.dtype)
         x = embeds
-        for layer, kv in zip(self.layers, cache.layers):
-            x = layer(x, cos, sin, kv)
+        for layer, attend in zip(self.layers, attends):
+            x = layer(x, cos, sin, attend)
         return self.norm(x)
+
+    def extend(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The simple path: append embeds [B, T, H] to a concatenating cache."""
+        positions = cache.positions(embeds.shape[0], embeds.shape[1], embeds.device)
+        return self(embeds, positions, cache.attends())
