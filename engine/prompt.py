@@ -32,9 +32,15 @@ class Prompt:
     prefill: torch.Tensor  # [P, H]
     trailing_text: torch.Tensor  # [N, H]: text track of decode steps 0..N-1
     pad: torch.Tensor  # [H]: text track after that
+    trailing_ids: list[int]  # the ids behind trailing_text (tts_eos included)
+    pad_id: int
 
     def text_track(self, step: int) -> torch.Tensor:
         return self.trailing_text[step] if step < self.trailing_text.shape[0] else self.pad
+
+    def text_id(self, step: int) -> int:
+        """The text-track token of decode step `step` (what the batched engine feeds)."""
+        return self.trailing_ids[step] if step < len(self.trailing_ids) else self.pad_id
 
 
 def language_id(config: ModelConfig, language: str, speaker: str | None) -> int | None:
@@ -67,15 +73,17 @@ class PromptBuilder:
         bos_t, eos_t, pad_t = self.text([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
         prefix, codec_bos = self._prefix(voice, role_ids, instruct_ids, language, bos_t, pad_t)
         if voice.ref_codes is not None:
-            body, trailing = self._icl(voice, text_ids, codec_bos, eos_t, pad_t, layout)
+            body, trailing, trailing_ids = self._icl(voice, text_ids, codec_bos, eos_t, pad_t, layout)
         elif layout == "streaming":
             body = self.text(text_ids[:1]) + codec_bos
+            trailing_ids = [*text_ids[1:], cfg.tts_eos_token_id]
             trailing = torch.cat((self.text(text_ids[1:]), eos_t[None]))
         else:
             text_part = torch.cat((self.text(text_ids), eos_t[None]))
             body = torch.cat((text_part + self.codec([cfg.talker.codec_pad_id]), (pad_t + codec_bos)[None]))
-            trailing = _no_text(pad_t)
-        return Prompt(prefill=torch.cat([*prefix, body]), trailing_text=trailing, pad=pad_t)
+            trailing_ids, trailing = [], _no_text(pad_t)
+        return Prompt(prefill=torch.cat([*prefix, body]), trailing_text=trailing, pad=pad_t,
+                      trailing_ids=trailing_ids, pad_id=cfg.tts_pad_token_id)
 
     def _prefix(self, voice: Voice, role_ids: list[int], instruct_ids: list[int] | None, language: str,
                 bos_t: torch.Tensor, pad_t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -105,18 +113,22 @@ class PromptBuilder:
         return None
 
     def _icl(self, voice: Voice, text_ids: list[int], codec_bos: torch.Tensor, eos_t: torch.Tensor,
-             pad_t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference transcript + target text against codec bos + the reference frames."""
-        text = torch.cat((self.text(voice.ref_text_ids + text_ids), eos_t[None]))
+             pad_t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Reference transcript + target text against codec bos + the reference frames.
+
+        Returns the prefill body and the text track left for the decode steps, as vectors and as ids."""
+        ids = [*voice.ref_text_ids, *text_ids]
+        text = torch.cat((self.text(ids), eos_t[None]))
         ref = voice.ref_codes.to(codec_bos.device)
         codec = torch.cat((codec_bos[None], self.talker.frame_embed(ref)))
         if layout == "prefill":
             body = torch.cat((text + self.codec([self.config.talker.codec_pad_id]), codec + pad_t))
-            return body, _no_text(pad_t)
-        if text.shape[0] > codec.shape[0]:
-            return text[: codec.shape[0]] + codec, text[codec.shape[0]:]
-        padded = torch.cat((text, pad_t.expand(codec.shape[0] - text.shape[0], -1)))
-        return padded + codec, _no_text(pad_t)
+            return body, _no_text(pad_t), []
+        n = codec.shape[0]
+        if text.shape[0] > n:
+            return text[:n] + codec, text[n:], [*ids, self.config.tts_eos_token_id][n:]
+        padded = torch.cat((text, pad_t.expand(n - text.shape[0], -1)))
+        return padded + codec, _no_text(pad_t), []
 
 
 def _no_text(pad_t: torch.Tensor) -> torch.Tensor:
