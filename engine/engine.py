@@ -1,0 +1,211 @@
+"""The request-level engine: submit requests, get their audio as it is produced, cancel them at any time.
+
+Requests join and leave the running batch every step. A step admits waiting requests (their prompts prefilled in
+one batch), runs one frame for every running request, then decodes audio: the first chunk after
+`first_chunk_frames` frames for the shortest time to first audio, larger chunks later to amortise the decoder.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import count
+
+import numpy as np
+import torch
+
+from engine.decoder_pool import DecoderPool
+from engine.errors import RequestError
+from engine.generate import BatchSampling, RunawayGuard
+from engine.kv_cache import CacheShape
+from engine.prompt import Prompt, Voice
+from engine.runner import ModelRunner, StepBatch
+from engine.sampling import SamplingParams
+from engine.tts import TTSModel
+
+
+class EngineFull(RequestError):
+    """The engine's queue is full; the caller should retry later or shed load."""
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    text: str
+    voice: Voice
+    language: str = "auto"
+    layout: str | None = None
+    sampling: SamplingParams | None = None
+    max_frames: int | None = None
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    request_id: int
+    start_sample: int  # position of samples[0] in the request's audio
+    samples: np.ndarray  # float32 mono
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: int
+    reason: str  # "eos" | "length" | "error"
+    frames: int
+    error: str | None = None
+
+
+Event = AudioChunk | Finished
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 64  # slots: requests running at once
+    capacity: int = 2048  # talker positions per slot (prompt + frames)
+    kv_budget_bytes: int | None = None  # if set, fewer slots when the budget is smaller
+    max_waiting: int = 256
+    max_prefill_batch: int = 16
+    first_chunk_frames: int = 1
+    chunk_frames: int = 4
+    attention_backend: str = "sdpa"
+    guard: RunawayGuard = field(default_factory=RunawayGuard)
+
+
+@dataclass
+class _Stream:
+    request_id: int
+    prompt: Prompt
+    sampling: SamplingParams
+    max_frames: int
+    ref_codes: torch.Tensor | None
+    slot: int = -1
+    prompt_length: int = 0
+    frames: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)
+    decoded_frames: int = 0
+    done: str | None = None
+
+
+class Engine:
+    def __init__(self, tts: TTSModel, config: EngineConfig | None = None) -> None:
+        self.tts = tts
+        self.config = config = config or EngineConfig()
+        layers = tts.config.talker.layers
+        if config.kv_budget_bytes is None:
+            shape = CacheShape(layers.num_hidden_layers, layers.num_key_value_heads, layers.head_dim,
+                               config.max_batch, config.capacity)
+        else:
+            shape = CacheShape.from_budget(layers, config.kv_budget_bytes, config.capacity, tts.dtype,
+                                           config.max_batch)
+        self.runner = ModelRunner(tts.talker, shape, tts.device, tts.dtype, config.attention_backend)
+        self.decoders = DecoderPool(tts.decoder, shape.slots, tts.device, tts.dtype)
+        self.free_slots = list(range(shape.slots))
+        self.waiting: deque[_Stream] = deque()
+        self.running: dict[int, _Stream] = {}
+        self._ids = count(1)
+
+    @property
+    def slots(self) -> int:
+        return self.runner.cache.shape.slots
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def submit(self, request: SynthesisRequest) -> int:
+        """Validate and queue a request; raises RequestError (bad input) or EngineFull at once."""
+        if len(self.waiting) >= self.config.max_waiting:
+            raise EngineFull(f"the engine is full ({len(self.waiting)} requests waiting); try again later")
+        prompt, text_tokens = self.tts.prompt(request.text, request.voice, request.language, request.layout)
+        room = self.runner.capacity - prompt.prefill.shape[0]
+        if room < 1:
+            raise RequestError(f"the prompt takes {prompt.prefill.shape[0]} positions, more than the engine's "
+                               f"context of {self.runner.capacity}; shorten the text")
+        limit = request.max_frames if request.max_frames is not None else self.config.guard.limit(text_tokens)
+        if limit < 1:
+            raise RequestError("max_frames must be at least 1")
+        sampling = request.sampling or SamplingParams.from_defaults(self.tts.config.generation)
+        stream = _Stream(next(self._ids), prompt, sampling, min(limit, room), request.voice.ref_codes)
+        self.waiting.append(stream)
+        return stream.request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request now: its slot is free for the next step and it produces no further event."""
+        for stream in self.waiting:
+            if stream.request_id == request_id:
+                self.waiting.remove(stream)
+                return True
+        stream = self.running.pop(request_id, None)
+        if stream is None:
+            return False
+        self.free_slots.append(stream.slot)
+        return True
+
+    def step(self) -> list[Event]:
+        """Admit, run one frame for every running request, decode what is due. Returns the new events."""
+        self._admit()
+        if not self.running:
+            return []
+        streams = list(self.running.values())
+        codes = self.runner.step(self._batch(streams)).cpu()  # the step's one device-to-host copy
+        eos = self.tts.config.talker.codec_eos_token_id
+        for stream, frame in zip(streams, codes):
+            if frame[0].item() == eos:
+                stream.done = "eos"
+                continue
+            stream.pending.append(frame)
+            stream.frames += 1
+            if stream.frames >= stream.max_frames:
+                stream.done = "length"
+        events = self._decode(streams)
+        for stream in streams:
+            if stream.done:
+                events.append(Finished(stream.request_id, stream.done, stream.frames))
+                del self.running[stream.request_id]
+                self.free_slots.append(stream.slot)
+        return events
+
+    def _admit(self) -> None:
+        admitted: list[_Stream] = []
+        while self.waiting and self.free_slots and len(admitted) < self.config.max_prefill_batch:
+            stream = self.waiting.popleft()
+            stream.slot = self.free_slots.pop(0)
+            stream.prompt_length = stream.prompt.prefill.shape[0]
+            admitted.append(stream)
+        if not admitted:
+            return
+        self.runner.prefill([s.slot for s in admitted], [s.prompt.prefill for s in admitted])
+        for stream in admitted:
+            self.decoders.reset(stream.slot)
+            if stream.ref_codes is not None and stream.ref_codes.shape[0]:
+                # Voice cloning: the reference frames are the decoder's left context, never heard.
+                self.decoders.decode([stream.slot], stream.ref_codes[None].to(self.tts.device))
+            self.running[stream.request_id] = stream
+
+    def _batch(self, streams: list[_Stream]) -> StepBatch:
+        device = self.tts.device
+
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return StepBatch(
+            slots=column([s.slot for s in streams]),
+            positions=column([s.prompt_length + s.frames for s in streams]),
+            frame_index=column([s.frames for s in streams]),
+            text_ids=column([s.prompt.text_id(s.frames) for s in streams]),
+            sampling=BatchSampling.of([s.sampling for s in streams], device),
+        )
+
+    def _decode(self, streams: list[_Stream]) -> list[Event]:
+        """Decode every stream whose next chunk is due, batching streams with the same chunk length."""
+        groups: dict[int, list[_Stream]] = {}
+        for stream in streams:
+            due = self.config.first_chunk_frames if stream.decoded_frames == 0 else self.config.chunk_frames
+            if stream.pending and (len(stream.pending) >= due or stream.done):
+                groups.setdefault(len(stream.pending), []).append(stream)
+        events: list[Event] = []
+        samples_per_frame = self.tts.decoder.samples_per_frame
+        for group in groups.values():
+            codes = torch.stack([torch.stack(s.pending) for s in group]).to(self.tts.device)
+            audio = self.decoders.decode([s.slot for s in group], codes).float().cpu().numpy()
+            for stream, samples in zip(group, audio):
+                events.append(AudioChunk(stream.request_id, stream.decoded_frames * samples_per_frame, samples))
+                stream.decoded_frames += len(stream.pending)
+                stream.pending.clear()
+        return events

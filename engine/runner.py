@@ -1,0 +1,70 @@
+"""The batched model step over slots: prefill of several new requests in one pass, and the whole frame step
+(sample code 0, the 15 code-predictor sub-steps, then one talker token per request) with all per-request state on
+the device, so a step needs no host synchronisation inside and one device-to-host copy of its codes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.generate import BatchSampling, sample_frame
+from engine.kv_cache import CacheShape, SlotKVCache
+from engine.model.talker import Talker
+from engine.sampling import talker_logits_mask
+
+
+@dataclass
+class StepBatch:
+    """The inputs of one frame step, one row per running request."""
+
+    slots: torch.Tensor  # [B] long
+    positions: torch.Tensor  # [B] long: where this step's talker token goes (prompt length + frames so far)
+    frame_index: torch.Tensor  # [B] long: frames produced so far
+    text_ids: torch.Tensor  # [B] long: text-track token for this step
+    sampling: BatchSampling
+
+
+class ModelRunner:
+    def __init__(self, talker: Talker, cache_shape: CacheShape, device: torch.device, dtype: torch.dtype,
+                 attention_backend: str = "sdpa") -> None:
+        cfg = talker.cfg
+        self.talker = talker
+        self.device = device
+        self.cache = SlotKVCache(cache_shape, dtype, device, attention_backend)
+        slots = cache_shape.slots
+        self.last_hidden = torch.zeros(slots, cfg.layers.hidden_size, dtype=dtype, device=device)
+        self.seen = torch.zeros(slots, cfg.vocab_size, dtype=torch.bool, device=device)
+        self.suppressed = talker_logits_mask(cfg.vocab_size, cfg.codec_eos_token_id, device)
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.shape.capacity
+
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], prompts: list[torch.Tensor]) -> None:
+        """Run the prompts [P_i, H] of new requests as one right-padded batch into their slots."""
+        lengths = torch.tensor([p.shape[0] for p in prompts], device=self.device)
+        width = int(lengths.max())
+        batch = torch.zeros(len(prompts), width, prompts[0].shape[1], dtype=prompts[0].dtype, device=self.device)
+        for row, prompt in enumerate(prompts):
+            batch[row, : prompt.shape[0]] = prompt
+        slot_index = torch.tensor(slots, device=self.device)
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+        hidden = self.talker.model(batch, positions, self.cache.prefill_attends(slot_index, lengths))
+        self.last_hidden[slot_index] = hidden[torch.arange(len(prompts), device=self.device), lengths - 1]
+        self.seen[slot_index] = False
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        """One frame for every row: codes [B, 16] (code 0 may be EOS); advances each slot by one position."""
+        talker = self.talker
+        hidden = self.last_hidden[batch.slots]
+        codes = sample_frame(talker, hidden, self.seen[batch.slots], batch.frame_index, batch.sampling,
+                             self.suppressed)
+        self.seen[batch.slots, codes[:, 0]] = True
+        step_input = talker.frame_embed(codes) + talker.text_embed(batch.text_ids)
+        attends = self.cache.decode_attends(batch.slots, batch.positions)
+        hidden = talker.model(step_input[:, None], batch.positions[:, None], attends)[:, 0]
+        self.last_hidden[batch.slots] = hidden
+        return codes

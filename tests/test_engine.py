@@ -1,0 +1,119 @@
+"""The batched engine against the single-request reference path: same codes and audio whatever the batch, the
+join times or the cancellations (fp32, CPU, tiny checkpoints)."""
+import numpy as np
+import pytest
+import torch
+
+from engine.engine import AudioChunk, Engine, EngineConfig, EngineFull, Finished, SynthesisRequest
+from engine.errors import RequestError
+from engine.sampling import SamplingParams
+from engine.tts import TTSModel, VoiceRequest
+
+TEXTS = ["Hello there, how are you today?", "A much longer sentence that keeps the model busy for a while.",
+         "Short.", "Numbers like 12 and 345 are read too.", "你好，世界！"]
+SPEAKERS = ["vivian", "ryan", "serena", "eric", "aiden"]
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoints) -> TTSModel:
+    return TTSModel.load(tiny_checkpoints["custom_voice"])
+
+
+def requests(tts: TTSModel, greedy: bool, frames: list[int]) -> list[SynthesisRequest]:
+    out = []
+    for i, (text, speaker, limit) in enumerate(zip(TEXTS, SPEAKERS, frames)):
+        sampling = SamplingParams.from_defaults(tts.config.generation, greedy=greedy, seed=100 + i)
+        out.append(SynthesisRequest(text, tts.voice(VoiceRequest(speaker=speaker)), language="auto",
+                                    layout="streaming" if i % 2 else "prefill", sampling=sampling,
+                                    max_frames=limit))
+    return out
+
+
+def run(engine: Engine, schedule: dict[int, list[SynthesisRequest]], cancel_at: dict[int, int] | None = None):
+    """Submit requests at the given steps; returns request index -> (codes, audio, finish)."""
+    ids, audio, finished = {}, {}, {}
+    step = 0
+    while step in schedule or not engine.idle() or any(s > step for s in schedule):
+        for request in schedule.get(step, []):
+            ids[engine.submit(request)] = len(ids)
+        for index, at in (cancel_at or {}).items():
+            if at == step:
+                assert engine.cancel([i for i, j in ids.items() if j == index][0])
+                finished[index] = "cancelled"
+        for event in engine.step():
+            index = ids[event.request_id]
+            if isinstance(event, AudioChunk):
+                chunks = audio.setdefault(index, [])
+                assert event.start_sample == sum(len(c) for c in chunks)  # contiguous, in order
+                chunks.append(event.samples)
+            else:
+                assert isinstance(event, Finished)
+                finished[index] = event
+        step += 1
+        assert step < 500
+    return {i: (np.concatenate(audio.get(i, [np.zeros(0, np.float32)])), finished[i]) for i in finished}
+
+
+def reference(tts: TTSModel, request: SynthesisRequest):
+    return tts.synthesize(request.text, request.voice, language=request.language, layout=request.layout,
+                          sampling=request.sampling, max_frames=request.max_frames)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
+def test_batched_engine_equals_the_single_request_path(tts, greedy):
+    reqs = requests(tts, greedy, frames=[9, 14, 5, 11, 7])
+    engine = Engine(tts, EngineConfig(max_batch=3, capacity=256, first_chunk_frames=1, chunk_frames=3))
+    # Joins at different steps; more requests than slots, so some wait for a slot to free up.
+    results = run(engine, {0: reqs[:2], 3: reqs[2:4], 6: reqs[4:]})
+    for i, request in enumerate(reqs):
+        expected = reference(tts, request)
+        audio, finish = results[i]
+        assert finish.frames == expected.codes.shape[0]
+        assert len(audio) == len(expected.audio)
+        np.testing.assert_allclose(audio, expected.audio, atol=1e-5, rtol=0)
+
+
+def test_codes_match_frame_for_frame(tts):
+    """The engine's codes, read back from its runner, equal the reference path's."""
+    request = requests(tts, True, frames=[12])[0]
+    engine = Engine(tts, EngineConfig(max_batch=2, capacity=128))
+    frames = []
+    original = engine.runner.step
+    engine.runner.step = lambda batch: frames.append(original(batch)) or frames[-1]
+    other = requests(tts, True, frames=[30, 30])[1]
+    run(engine, {0: [other], 2: [request]})
+    expected = reference(tts, request).codes
+    got = torch.stack([f[-1] for f in frames[2:14]])  # the late joiner: steps 2..13, the last row of each
+    assert torch.equal(got, expected)
+
+
+def test_cancel_frees_the_slot_and_stops_events(tts):
+    reqs = requests(tts, True, frames=[40, 40, 6])
+    engine = Engine(tts, EngineConfig(max_batch=2, capacity=128))
+    results = run(engine, {0: reqs[:2], 1: [reqs[2]]}, cancel_at={0: 4})
+    assert results[0][1] == "cancelled"
+    assert isinstance(results[2][1], Finished)  # the waiting request got the freed slot
+    np.testing.assert_allclose(results[2][0], reference(tts, reqs[2]).audio, atol=1e-5, rtol=0)
+    assert engine.idle() and len(engine.free_slots) == 2
+
+
+def test_full_engine_refuses_with_a_clear_error(tts):
+    engine = Engine(tts, EngineConfig(max_batch=1, capacity=128, max_waiting=2))
+    request = requests(tts, True, frames=[3])[0]
+    engine.submit(request)
+    engine.submit(request)
+    with pytest.raises(EngineFull, match="engine is full"):
+        engine.submit(request)
+
+
+def test_prompt_longer_than_the_context_is_refused(tts):
+    engine = Engine(tts, EngineConfig(max_batch=1, capacity=16))
+    with pytest.raises(RequestError, match="more than the engine's context of 16"):
+        engine.submit(requests(tts, True, frames=[3, 3])[1])
+
+
+def test_kv_budget_sets_the_number_of_slots(tts):
+    layers = tts.config.talker.layers
+    per_slot = 2 * layers.num_hidden_layers * layers.num_key_value_heads * layers.head_dim * 100 * 4
+    engine = Engine(tts, EngineConfig(max_batch=64, capacity=100, kv_budget_bytes=5 * per_slot + 7))
+    assert engine.slots == 5
