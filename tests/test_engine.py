@@ -107,8 +107,8 @@ def test_full_engine_refuses_with_a_clear_error(tts):
 
 
 def test_prompt_longer_than_the_context_is_refused(tts):
-    engine = Engine(tts, EngineConfig(max_batch=1, capacity=16))
-    with pytest.raises(RequestError, match="more than the engine's context of 16"):
+    engine = Engine(tts, EngineConfig(max_batch=1, capacity=8))
+    with pytest.raises(RequestError, match="more than the engine.s context of 8"):
         engine.submit(requests(tts, True, frames=[3, 3])[1])
 
 
