@@ -5,6 +5,7 @@ that do not need the reference do not pay for it.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ if ROOT not in sys.path:  # `engine` and `tests.reference` import under plain `p
     sys.path.insert(0, ROOT)
 
 VARIANTS = ("custom_voice", "voice_design", "base")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU through its interpreter
 
 
 @pytest.fixture(scope="session")
