@@ -13,6 +13,7 @@ from itertools import count
 import numpy as np
 import torch
 
+from engine.cuda_graphs import PaddedStep
 from engine.decoder_pool import DecoderPool
 from engine.errors import RequestError
 from engine.generate import BatchSampling, RunawayGuard
@@ -64,7 +65,8 @@ class EngineConfig:
     max_prefill_batch: int = 16
     first_chunk_frames: int = 1
     chunk_frames: int = 4
-    attention_backend: str = "sdpa"
+    attention_backend: str = "sdpa"  # "triton" reads only each request's length (GPU)
+    step_mode: str = "eager"  # "eager" | "padded" (bucketed batches) | "graphs" (bucketed, CUDA graphs)
     guard: RunawayGuard = field(default_factory=RunawayGuard)
 
 
@@ -95,6 +97,9 @@ class Engine:
             shape = CacheShape.from_budget(layers, config.kv_budget_bytes, config.capacity, tts.dtype,
                                            config.max_batch)
         self.runner = ModelRunner(tts.talker, shape, tts.device, tts.dtype, config.attention_backend)
+        self._step = self.runner.step
+        if config.step_mode != "eager":
+            self._step = PaddedStep(self.runner, tts.config.tts_pad_token_id, capture=config.step_mode == "graphs")
         self.decoders = DecoderPool(tts.decoder, shape.slots, tts.device, tts.dtype)
         self.free_slots = list(range(shape.slots))
         self.waiting: deque[_Stream] = deque()
@@ -143,7 +148,7 @@ class Engine:
         if not self.running:
             return []
         streams = list(self.running.values())
-        codes = self.runner.step(self._batch(streams)).cpu()  # the step's one device-to-host copy
+        codes = self._step(self._batch(streams)).cpu()  # the step's one device-to-host copy
         eos = self.tts.config.talker.codec_eos_token_id
         for stream, frame in zip(streams, codes):
             if frame[0].item() == eos:

@@ -36,21 +36,23 @@ class BatchSampling:
     code_predictor: SamplerBatch
     penalty: torch.Tensor
     seeds: torch.Tensor
+    min_frames: torch.Tensor
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
         return cls(SamplerBatch.of([p.talker for p in params], device),
                    SamplerBatch.of([p.code_predictor for p in params], device),
                    torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.seed for p in params], dtype=torch.long, device=device))
+                   torch.tensor([p.seed for p in params], dtype=torch.long, device=device),
+                   torch.tensor([p.min_new_frames for p in params], dtype=torch.long, device=device))
 
 
 def sample_frame(talker: Talker, hidden: torch.Tensor, seen: torch.Tensor, frame_index: torch.Tensor,
                  sampling: BatchSampling, suppressed: torch.Tensor) -> torch.Tensor:
     """Talker hidden states [B, H] -> one frame of codes [B, 16] per row (code 0 may be EOS)."""
     cfg = talker.cfg
-    logits = process_talker_logits(talker.codec_head(hidden), seen, frame_index, sampling.penalty, suppressed,
-                                   cfg.codec_eos_token_id)
+    logits = process_talker_logits(talker.codec_head(hidden), seen, frame_index, sampling.min_frames,
+                                   sampling.penalty, suppressed, cfg.codec_eos_token_id)
     code0 = choose(logits, sampling.talker, sampling.seeds, draw_counter(frame_index, 0, cfg.num_code_groups))
 
     def pick(group: int, sub_logits: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,8 @@ class SlotKVCache:
     def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device | str,
                  backend: str = "sdpa") -> None:
         self.shape = shape
-        size = (shape.layers, shape.slots, shape.kv_heads, shape.capacity, shape.head_dim)
+        # One slot more than usable: the scratch slot that padding rows of graphed batches write into.
+        size = (shape.layers, shape.slots + 1, shape.kv_heads, shape.capacity, shape.head_dim)
         self.k = torch.zeros(size, dtype=dtype, device=device)
         self.v = torch.zeros(size, dtype=dtype, device=device)
         self.backend = backend

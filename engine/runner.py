@@ -32,7 +32,8 @@ class ModelRunner:
         self.talker = talker
         self.device = device
         self.cache = SlotKVCache(cache_shape, dtype, device, attention_backend)
-        slots = cache_shape.slots
+        slots = cache_shape.slots + 1  # the last one is the scratch slot (padding rows of graphed batches)
+        self.scratch_slot = cache_shape.slots
         self.last_hidden = torch.zeros(slots, cfg.layers.hidden_size, dtype=dtype, device=device)
         self.seen = torch.zeros(slots, cfg.vocab_size, dtype=torch.bool, device=device)
         self.suppressed = talker_logits_mask(cfg.vocab_size, cfg.codec_eos_token_id, device)

@@ -35,6 +35,7 @@ class SamplingParams:
     code_predictor: SamplerParams
     repetition_penalty: float
     seed: int = 0
+    min_new_frames: int = MIN_NEW_FRAMES  # EOS is banned before this many frames (benchmarks raise it)
 
     @classmethod
     def from_defaults(cls, defaults: GenerationDefaults, *, greedy: bool = False,
@@ -84,12 +85,13 @@ def talker_logits_mask(vocab_size: int, eos_id: int, device: torch.device | str 
 
 
 def process_talker_logits(logits: torch.Tensor, seen: torch.Tensor, frame_index: torch.Tensor,
-                          penalty: torch.Tensor, suppressed: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """frame_index [B]: frames this request has produced so far (EOS is banned while it is below 2)."""
+                          min_frames: torch.Tensor, penalty: torch.Tensor, suppressed: torch.Tensor,
+                          eos_id: int) -> torch.Tensor:
+    """frame_index [B]: frames this request has produced so far; EOS is banned while it is below min_frames [B]."""
     logits = apply_repetition_penalty(logits, seen, penalty)
     logits = logits.masked_fill(suppressed, float("-inf"))
-    ban_eos = (frame_index < MIN_NEW_FRAMES)[:, None] & (torch.arange(logits.shape[-1], device=logits.device) == eos_id)
-    return logits.masked_fill(ban_eos, float("-inf"))
+    is_eos = torch.arange(logits.shape[-1], device=logits.device) == eos_id
+    return logits.masked_fill((frame_index < min_frames)[:, None] & is_eos, float("-inf"))
 
 
 def warp(logits: torch.Tensor, params: SamplerBatch) -> torch.Tensor:

@@ -59,10 +59,13 @@ def reference(tts: TTSModel, request: SynthesisRequest):
                           sampling=request.sampling, max_frames=request.max_frames)
 
 
-@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
-def test_batched_engine_equals_the_single_request_path(tts, greedy):
+@pytest.mark.parametrize("greedy,mode,backend", [(True, "eager", "sdpa"), (False, "eager", "sdpa"),
+                                                 (True, "padded", "sdpa"), (False, "padded", "triton")],
+                         ids=["greedy", "seeded", "greedy-padded-buckets", "seeded-padded-triton"])
+def test_batched_engine_equals_the_single_request_path(tts, greedy, mode, backend):
     reqs = requests(tts, greedy, frames=[9, 14, 5, 11, 7])
-    engine = Engine(tts, EngineConfig(max_batch=3, capacity=256, first_chunk_frames=1, chunk_frames=3))
+    engine = Engine(tts, EngineConfig(max_batch=3, capacity=256, first_chunk_frames=1, chunk_frames=3,
+                                      step_mode=mode, attention_backend=backend))
     # Joins at different steps; more requests than slots, so some wait for a slot to free up.
     results = run(engine, {0: reqs[:2], 3: reqs[2:4], 6: reqs[4:]})
     for i, request in enumerate(reqs):
@@ -78,8 +81,8 @@ def test_codes_match_frame_for_frame(tts):
     request = requests(tts, True, frames=[12])[0]
     engine = Engine(tts, EngineConfig(max_batch=2, capacity=128))
     frames = []
-    original = engine.runner.step
-    engine.runner.step = lambda batch: frames.append(original(batch)) or frames[-1]
+    original = engine._step
+    engine._step = lambda batch: frames.append(original(batch)) or frames[-1]
     other = requests(tts, True, frames=[30, 30])[1]
     run(engine, {0: [other], 2: [request]})
     expected = reference(tts, request).codes

@@ -29,7 +29,7 @@ def test_talker_processors_match_transformers(frame):
     for processor in (RepetitionPenaltyLogitsProcessor(1.05), MinNewTokensLengthLogitsProcessor(0, 2, EOS),
                       SuppressTokensLogitsProcessor(suppressed_ids)):
         hf = processor(previous, hf)
-    ours = process_talker_logits(logits, seen, torch.full((3,), frame), torch.full((3,), 1.05),
+    ours = process_talker_logits(logits, seen, torch.full((3,), frame), torch.full((3,), 2), torch.full((3,), 1.05),
                                  talker_logits_mask(3072, EOS), EOS)
     torch.testing.assert_close(ours, hf, rtol=0, atol=0)
     assert torch.isinf(ours[:, 2048:]).sum() == 3 * (1023 + (frame < 2))
