@@ -64,7 +64,7 @@ class EngineConfig:
     max_waiting: int = 256
     max_prefill_batch: int = 16
     first_chunk_frames: int = 1
-    chunk_frames: int = 4
+    chunk_frames: int = 4  # the largest chunk
     attention_backend: str = "sdpa"  # "triton" reads only each request's length (GPU)
     step_mode: str = "eager"  # "eager" | "padded" (bucketed batches) | "graphs" (bucketed, CUDA graphs)
     guard: RunawayGuard = field(default_factory=RunawayGuard)
@@ -201,7 +201,9 @@ class Engine:
         """Decode every stream whose next chunk is due, batching streams with the same chunk length."""
         groups: dict[int, list[_Stream]] = {}
         for stream in streams:
-            due = self.config.first_chunk_frames if stream.decoded_frames == 0 else self.config.chunk_frames
+            # Chunks grow with the audio already out (1, 1, 2, 4, ... frames): each one is due before the
+            # audio in front of it has played, and the decoder's fixed cost is amortised as the buffer grows.
+            due = min(self.config.chunk_frames, max(self.config.first_chunk_frames, stream.decoded_frames))
             if stream.pending and (len(stream.pending) >= due or stream.done):
                 groups.setdefault(len(stream.pending), []).append(stream)
         events: list[Event] = []
