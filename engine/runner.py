@@ -37,6 +37,7 @@ class ModelRunner:
         self.last_hidden = torch.zeros(slots, cfg.layers.hidden_size, dtype=dtype, device=device)
         self.seen = torch.zeros(slots, cfg.vocab_size, dtype=torch.bool, device=device)
         self.suppressed = talker_logits_mask(cfg.vocab_size, cfg.codec_eos_token_id, device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)  # a device scalar: graph capture copies none
 
     @property
     def capacity(self) -> int:
@@ -63,7 +64,7 @@ class ModelRunner:
         hidden = self.last_hidden[batch.slots]
         codes = sample_frame(talker, hidden, self.seen[batch.slots], batch.frame_index, batch.sampling,
                              self.suppressed)
-        self.seen[batch.slots, codes[:, 0]] = True
+        self.seen.index_put_((batch.slots, codes[:, 0]), self._true)
         step_input = talker.frame_embed(codes) + talker.text_embed(batch.text_ids)
         attends = self.cache.decode_attends(batch.slots, batch.positions)
         hidden = talker.model(step_input[:, None], batch.positions[:, None], attends)[:, 0]
