@@ -95,18 +95,21 @@ def process_talker_logits(logits: torch.Tensor, seen: torch.Tensor, frame_index:
 
 
 def warp(logits: torch.Tensor, params: SamplerBatch) -> torch.Tensor:
-    """Temperature, top-k (ties at the k-th value kept) and top-p (the smallest set reaching p kept), per row."""
+    """Temperature, top-k (ties at the k-th value kept) and top-p (the smallest set reaching p kept), per row.
+
+    Both cut-offs become a threshold value per row, so no index leaves the sorted space (no gather/scatter)."""
     logits = logits / params.temperature[:, None]
     vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)
     descending = torch.sort(logits, dim=-1, descending=True).values
     k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), vocab)
-    kth = descending.gather(-1, (k - 1)[:, None])
+    kth = torch.where(ranks[None] < k[:, None], descending, float("inf")).amin(dim=-1, keepdim=True)
     logits = logits.masked_fill(logits < kth, float("-inf"))
-    ascending, order = torch.sort(logits, dim=-1)
+    ascending = torch.sort(logits, dim=-1).values
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= (1 - params.top_p)[:, None]
-    drop[:, -1] = False
-    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    drop = (cumulative <= (1 - params.top_p)[:, None]) & (ranks[None] < vocab - 1)
+    cut = torch.where(drop, float("inf"), ascending).amin(dim=-1, keepdim=True)
+    return logits.masked_fill(logits < cut, float("-inf"))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

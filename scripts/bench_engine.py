@@ -67,7 +67,15 @@ class Bench:
                                              first_chunk_frames=1, chunk_frames=self.args.chunk_frames))
 
     def check(self) -> dict:
-        """bf16 on the GPU: agreement of the engine's greedy codes (batched with others) with the simple path."""
+        """Agreement of the engine's greedy codes (batched, graphed) with the single-request path, in the model's
+        dtype and in fp32 (bf16 rounding flips near-ties, and a random model diverges from the first flip on)."""
+        out = {str(self.tts.dtype): self._agreement()}
+        if self.tts.dtype != torch.float32:
+            fp32 = Bench(TTSModel.load(self.tts.model_dir, device=self.tts.device, dtype=torch.float32), self.args)
+            out["torch.float32"] = fp32._agreement()
+        return out
+
+    def _agreement(self) -> dict:
         engine = self.engine(8)
         requests = [self.request(40, seed, greedy=True) for seed in range(6)]
         codes: dict[int, list] = {}
@@ -88,14 +96,17 @@ class Bench:
                 slot_of[ids[stream.request_id]] = stream.slot
             engine.step()
         agree = total = 0
+        first_difference = []
         for i, request in enumerate(requests):
             reference = self.tts.synthesize(request.text, request.voice, language=request.language,
                                             layout=request.layout, sampling=request.sampling,
                                             max_frames=request.max_frames).codes
             mine = torch.stack(codes[slot_of[i]][: len(reference)])
-            agree += int((mine[:, 0] == reference[:, 0]).sum())
+            same = (mine == reference).all(dim=1)
+            agree += int(same.sum())
             total += len(reference)
-        return dict(frames_compared=total, code0_agreement=agree / total)
+            first_difference.append(int((~same).nonzero()[0]) if not same.all() else None)
+        return dict(frames_compared=total, frame_agreement=agree / total, first_difference=first_difference)
 
     def single(self) -> dict:
         engine = self.engine(8)
@@ -212,11 +223,10 @@ def main() -> None:
     parser.add_argument("--chunk-frames", type=int, default=4)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_checkpoint(Path(tmp) / "ckpt", args.size, "custom_voice", seed=0)
-        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-        tts = TTSModel.load(model_dir, device=args.device, dtype=dtype)
-    bench = Bench(tts, args)
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = write_random_checkpoint(Path(tmp.name) / "ckpt", args.size, "custom_voice", seed=0)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    bench = Bench(TTSModel.load(model_dir, device=args.device, dtype=dtype), args)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
     result = dict(size=args.size, device=args.device, gpu=gpu, torch=torch.__version__)
     for part in args.parts.split(","):

@@ -150,9 +150,17 @@ class WindowAttention(nn.Module):
         keys = torch.cat((state.keys[layer], k), dim=2)
         values = torch.cat((state.values[layer], v), dim=2)
         state.keys[layer], state.values[layer] = keys[:, :, -self.window:], values[:, :, -self.window:]
-        mask = self._mask(position, n, keys.shape[2])
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        out = self._attend(q, keys, values, self._mask(position, n, keys.shape[2]))
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Plain masked softmax attention: a window of 72 keys is too small for fused kernels to matter, and
+        their mask and shape constraints vary by backend."""
+        group = self.heads // self.kv_heads
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = (q @ keys.transpose(-1, -2)) * self.head_dim ** -0.5
+        weights = scores.masked_fill(~mask, float("-inf")).float().softmax(dim=-1).to(q.dtype)
+        return weights @ values
 
     def _mask(self, position: torch.Tensor, n: int, total: int) -> torch.Tensor:
         """[B, 1, n, total] boolean: cached slot s holds frame position - window + s; new frames follow."""
