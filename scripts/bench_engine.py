@@ -50,6 +50,7 @@ class Bench:
     def __init__(self, tts: TTSModel, args: argparse.Namespace) -> None:
         self.tts, self.args = tts, args
         self.voice = tts.voice(VoiceRequest(speaker="vivian"))
+        self._engine: Engine | None = None
 
     def request(self, frames: int, seed: int, text: str | None = None, greedy: bool = False) -> SynthesisRequest:
         sampling = SamplingParams.from_defaults(self.tts.config.generation, greedy=greedy, seed=seed)
@@ -59,24 +60,32 @@ class Bench:
         return SynthesisRequest(text, self.voice, language="english", layout="streaming", sampling=sampling,
                                 max_frames=frames)
 
-    def engine(self, max_batch: int) -> Engine:
-        gpu = self.tts.device.type == "cuda"
-        return Engine(self.tts, EngineConfig(max_batch=max_batch, capacity=self.args.capacity,
-                                             step_mode="graphs" if gpu else "padded",
-                                             attention_backend="triton" if gpu else "sdpa", max_waiting=100000,
-                                             first_chunk_frames=1, chunk_frames=self.args.chunk_frames))
+    def engine(self) -> Engine:
+        """One engine for every part, as a server has (graphs captured once, up to --max-batch)."""
+        if self._engine is None:
+            gpu = self.tts.device.type == "cuda"
+            started = time.perf_counter()
+            self._engine = Engine(self.tts, EngineConfig(
+                max_batch=self.args.max_batch, capacity=self.args.capacity, step_mode="graphs" if gpu else "padded",
+                attention_backend="triton" if gpu else "sdpa", max_waiting=100000, first_chunk_frames=1,
+                chunk_frames=self.args.chunk_frames, compile=self.args.compile))
+            print(json.dumps({"engine_ready_s": round(time.perf_counter() - started, 1)}), flush=True)
+        assert self._engine.idle()
+        return self._engine
 
     def check(self) -> dict:
         """Agreement of the engine's greedy codes (batched, graphed) with the single-request path, in the model's
         dtype and in fp32 (bf16 rounding flips near-ties, and a random model diverges from the first flip on)."""
         out = {str(self.tts.dtype): self._agreement()}
         if self.tts.dtype != torch.float32:
-            fp32 = Bench(TTSModel.load(self.tts.model_dir, device=self.tts.device, dtype=torch.float32), self.args)
+            fp32_args = argparse.Namespace(**{**vars(self.args), "max_batch": 8})
+            fp32 = Bench(TTSModel.load(self.tts.model_dir, device=self.tts.device, dtype=torch.float32), fp32_args)
             out["torch.float32"] = fp32._agreement()
+            del fp32
         return out
 
     def _agreement(self) -> dict:
-        engine = self.engine(8)
+        engine = self.engine()
         requests = [self.request(40, seed, greedy=True) for seed in range(6)]
         codes: dict[int, list] = {}
         original = engine._step
@@ -109,7 +118,7 @@ class Bench:
         return dict(frames_compared=total, frame_agreement=agree / total, first_difference=first_difference)
 
     def single(self) -> dict:
-        engine = self.engine(8)
+        engine = self.engine()
         ttfa, steps = [], []
         for seed in range(self.args.repeats):
             start = time.perf_counter()
@@ -129,7 +138,7 @@ class Bench:
         """Pure frame step (graph replay + the codes' copy to the host) by batch size, contexts ~100-200."""
         out = {}
         for batch in self.args.batches:
-            engine = self.engine(batch)
+            engine = self.engine()
             for seed in range(batch):
                 engine.submit(self.request(400, seed))
             engine._admit()
@@ -144,12 +153,14 @@ class Bench:
                 times.append(time.perf_counter() - start)
                 for s in streams:
                     s.frames += 1
+            for s in streams:
+                engine.cancel(s.request_id)
             out[batch] = dict(frame_step_ms_p50=percentile(times, 50) * 1e3,
                               x_real_time_per_stream=FRAME_S / percentile(times, 50))
         return out
 
     def offline(self) -> dict:
-        engine = self.engine(self.args.offline_batch)
+        engine = self.engine()
         n = self.args.offline_requests
         for seed in range(n):
             engine.submit(self.request(75, seed))
@@ -159,7 +170,7 @@ class Bench:
         while not engine.idle():
             samples += sum(len(e.samples) for e in engine.step() if isinstance(e, AudioChunk))
         wall = time.perf_counter() - start
-        return dict(requests=n, batch=self.args.offline_batch, audio_s=samples / SAMPLE_RATE, wall_s=wall,
+        return dict(requests=n, batch=self.args.max_batch, audio_s=samples / SAMPLE_RATE, wall_s=wall,
                     audio_s_per_wall_s=samples / SAMPLE_RATE / wall)
 
     def load(self, rate: float) -> dict:
@@ -170,7 +181,7 @@ class Bench:
             t += rng.expovariate(rate)
             seconds = min(12.0, max(2.0, rng.gauss(6.0, 2.5)))
             arrivals.append((t, round(seconds / FRAME_S)))
-        engine = self.engine(self.args.max_batch)
+        engine = self.engine()
         for seed in range(3):  # warm-up outside the measurement
             engine.submit(self.request(5, seed))
         while not engine.idle():
@@ -214,7 +225,6 @@ def main() -> None:
     parser.add_argument("--parts", default="check,single,scaling,offline,load")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64, 128])
-    parser.add_argument("--offline-batch", type=int, default=128)
     parser.add_argument("--offline-requests", type=int, default=256)
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[10.0, 20.0, 40.0])
     parser.add_argument("--duration", type=float, default=30.0)
@@ -222,6 +232,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--chunk-frames", type=int, default=4)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the frame step")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model_dir = write_random_checkpoint(Path(tmp.name) / "ckpt", args.size, "custom_voice", seed=0)
