@@ -61,7 +61,6 @@ class PaddedStep:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.buckets, reverse=True):
             bucket = self.buckets[size]
             side = torch.cuda.Stream()
@@ -71,7 +70,7 @@ class PaddedStep:
                     self.runner.step(bucket.static)
             torch.cuda.current_stream().wait_stream(side)
             bucket.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.graph, pool=pool):
+            with torch.cuda.graph(bucket.graph):
                 bucket.codes = self.runner.step(bucket.static)
         torch.cuda.synchronize()
 

@@ -66,7 +66,8 @@ class Bench:
             gpu = self.tts.device.type == "cuda"
             started = time.perf_counter()
             self._engine = Engine(self.tts, EngineConfig(
-                max_batch=self.args.max_batch, capacity=self.args.capacity, step_mode="graphs" if gpu else "padded",
+                max_batch=self.args.max_batch, capacity=self.args.capacity,
+                step_mode=self.args.step_mode or ("graphs" if gpu else "padded"),
                 attention_backend="triton" if gpu else "sdpa", max_waiting=100000, first_chunk_frames=1,
                 chunk_frames=self.args.chunk_frames, compile=self.args.compile))
             print(json.dumps({"engine_ready_s": round(time.perf_counter() - started, 1)}), flush=True)
@@ -233,6 +234,7 @@ def main() -> None:
     parser.add_argument("--chunk-frames", type=int, default=4)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--compile", action="store_true", help="torch.compile the frame step")
+    parser.add_argument("--step-mode", choices=["eager", "padded", "graphs"], help="default: graphs on a GPU")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model_dir = write_random_checkpoint(Path(tmp.name) / "ckpt", args.size, "custom_voice", seed=0)
