@@ -7,6 +7,7 @@ the same padded batches run eagerly: that is how the padding is tested on the CP
 """
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 
 import torch
@@ -15,6 +16,7 @@ from engine.generate import BatchSampling
 from engine.runner import ModelRunner, StepBatch
 from engine.sampling import SamplerBatch
 
+_SYNC_AFTER_REPLAY = os.environ.get("VOXGATE_SYNC_AFTER_REPLAY") == "1"  # a debugging switch
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -86,4 +88,6 @@ class PaddedStep:
         if bucket.graph is None:
             return self.runner.step(bucket.static)[:rows]
         bucket.graph.replay()
+        if _SYNC_AFTER_REPLAY:
+            torch.cuda.synchronize()
         return bucket.codes[:rows]
