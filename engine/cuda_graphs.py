@@ -61,16 +61,18 @@ class PaddedStep:
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        # One capture stream for the engine's lifetime: per-stream resources that captured kernels use (the
+        # cuBLAS workspace among them) must outlive every replay.
+        self.stream = torch.cuda.Stream()
         for size in sorted(self.buckets, reverse=True):
             bucket = self.buckets[size]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
                 for _ in range(2):
                     self.runner.step(bucket.static)
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(self.stream)
             bucket.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.graph):
+            with torch.cuda.graph(bucket.graph, stream=self.stream):
                 bucket.codes = self.runner.step(bucket.static)
         torch.cuda.synchronize()
 
@@ -86,8 +88,4 @@ class PaddedStep:
         if bucket.graph is None:
             return self.runner.step(bucket.static)[:rows]
         bucket.graph.replay()
-        # Without this wait, runs with 32+ of 64+ slots hit device-side index asserts that CUDA_LAUNCH_BLOCKING=1
-        # hides (H100, torch 2.11): some work after the replay races it. The caller copies the codes to the
-        # host next anyway, so the wait costs nothing measurable; the race itself is not yet found.
-        torch.cuda.synchronize()
         return bucket.codes[:rows]
