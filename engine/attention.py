@@ -6,7 +6,8 @@ varlen kernel that reads exactly `length` keys per request; `TRITON_INTERPRET=1`
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from engine.model.layers import gqa_attention
 
 BACKENDS = ("sdpa", "triton")
 
@@ -20,4 +21,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return triton_decode_attention(q, k_cache, v_cache, slots, lengths)
     keys, values = k_cache[slots], v_cache[slots]
     visible = torch.arange(keys.shape[2], device=q.device)[None, :] < lengths[:, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None, None], enable_gqa=True)
+    return gqa_attention(q, keys, values, attn_mask=visible[:, None, None])

@@ -8,11 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import decode_attention
 from engine.config import DecoderLayersConfig
-from engine.model.layers import Attend
+from engine.model.layers import Attend, gqa_attention
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class SlotKVCache:
                 self.v[layer, slot, :, :length] = v[row, :, :length]
             steps = torch.arange(t, device=q.device)
             visible = (steps[None, :] <= steps[:, None])[None] & (steps[None, None, :] < lengths[:, None, None])
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=True)
+            return gqa_attention(q, k, v, attn_mask=visible[:, None])
 
         return attend
 

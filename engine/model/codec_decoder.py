@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import CodecDecoderConfig
-from engine.model.layers import MLP, LayerScale, RMSNorm, RotaryEmbedding, apply_rope
+from engine.model.layers import MLP, LayerScale, RMSNorm, RotaryEmbedding, apply_rope, repeat_kv
 
 
 @dataclass
@@ -157,7 +157,7 @@ class WindowAttention(nn.Module):
         """Plain masked softmax attention: a window of 72 keys is too small for fused kernels to matter, and
         their mask and shape constraints vary by backend."""
         group = self.heads // self.kv_heads
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        keys, values = repeat_kv(keys, group), repeat_kv(values, group)
         scores = (q @ keys.transpose(-1, -2)) * self.head_dim ** -0.5
         weights = scores.masked_fill(~mask, float("-inf")).float().softmax(dim=-1).to(q.dtype)
         return weights @ values

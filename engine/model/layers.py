@@ -59,6 +59,21 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, T, D] -> [B, Hkv * groups, T, D] by broadcasting: no index tensor, so no host-to-device copy is
+    involved (repeat_interleave and SDPA's enable_gqa build one, which raced with graph replays on the GPU)."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA for grouped-query attention: q [B, Hq, T, D], k/v [B, Hkv, S, D]."""
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), **kwargs)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -90,7 +105,7 @@ class LayerKV:
         causal = q.shape[2] > 1
         self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
         self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
-        return F.scaled_dot_product_attention(q, self.k, self.v, is_causal=causal, enable_gqa=True)
+        return gqa_attention(q, self.k, self.v, is_causal=causal)
 
     @property
     def length(self) -> int:

@@ -30,7 +30,7 @@ from torch import nn
 from engine.checkpoint import load_module, read_tensors
 from engine.config import SpeechTokenizerConfig, parse_speech_tokenizer_config, read_json
 from engine.errors import AudioInputError, CheckpointError
-from engine.model.layers import LayerScale, RotaryEmbedding, apply_rope
+from engine.model.layers import LayerScale, RotaryEmbedding, apply_rope, repeat_kv
 
 MIN_REFERENCE_SECONDS = 0.5
 CHECKPOINT_PREFIX = "encoder."
@@ -261,8 +261,7 @@ class SelfAttention(nn.Module):
         cos, sin = self.rotary(torch.arange(length, device=x.device)[None], x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_heads != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            k, v = repeat_kv(k, self.heads // self.kv_heads), repeat_kv(v, self.heads // self.kv_heads)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=length > 1)
         return self.o_proj(out.transpose(1, 2).contiguous().view(batch, length, -1))
 
