@@ -125,9 +125,14 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> tor
     row = _mix32(_mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
     row = _mix32(row ^ _mix32(counters.long() & _MASK32))
     tokens = torch.arange(vocab, device=seeds.device, dtype=torch.long)
-    bits = _mix32(row[:, None] ^ ((tokens * 0x27D4EB2F) & _MASK32)) >> 8  # 24 random bits
-    uniform = (bits.float() + 0.5) / float(1 << 24)
-    return -torch.log(-torch.log(uniform))
+    bits = _mix32(row[:, None] ^ ((tokens * 0x27D4EB2F) & _MASK32)) >> 9
+    return -torch.log(-torch.log(uniform_from_bits(bits)))
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """23 random bits -> a float32 strictly inside (0, 1). With 24 bits, (2**24 - 1 + 0.5) rounds to 2**24 in
+    float32, u becomes 1, its Gumbel noise +inf, and -inf + inf = NaN let a suppressed token win the argmax."""
+    return (bits.float() + 0.5) / float(1 << 23)
 
 
 def choose(logits: torch.Tensor, params: SamplerBatch, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.sampling import SamplerBatch, SamplerParams, choose, process_talker_logits, talker_logits_mask, warp
+from engine.sampling import (SamplerBatch, SamplerParams, choose, gumbel_noise, process_talker_logits,
+                             talker_logits_mask, uniform_from_bits, warp)
 
 EOS = 2150
 
@@ -78,3 +79,24 @@ def test_greedy_rows_take_the_argmax():
                               SamplerParams(False, 0.5, 5, 0.5)])
     out = choose(logits, params, torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_noise_is_always_finite():
+    """Every possible 23-bit draw maps strictly inside (0, 1): the Gumbel noise is never infinite, so a -inf
+    (suppressed) logit can never win the argmax."""
+    bits = torch.tensor([0, 1, (1 << 23) - 2, (1 << 23) - 1])
+    uniform = uniform_from_bits(bits)
+    assert (uniform > 0).all() and (uniform < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(uniform))).all()
+    assert torch.isfinite(gumbel_noise(torch.arange(64), torch.arange(64), 3072)).all()
+
+
+def test_suppressed_ids_are_never_sampled():
+    logits = random_logits(11, batch=256)
+    suppressed = talker_logits_mask(3072, EOS)
+    processed = process_talker_logits(logits, torch.zeros(256, 3072, dtype=torch.bool), torch.full((256,), 5),
+                                      torch.full((256,), 2), torch.full((256,), 1.05), suppressed, EOS)
+    params = SamplerBatch.of([SamplerParams(True, 0.9, 50, 1.0)] * 256)
+    for counter in range(20):
+        draws = choose(processed, params, torch.arange(256), torch.full((256,), counter))
+        assert not suppressed[draws].any()
