@@ -61,8 +61,8 @@ class PaddedStep:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        # One capture stream for the engine's lifetime: per-stream resources that captured kernels use (the
-        # cuBLAS workspace among them) must outlive every replay.
+        # One capture stream for the engine's lifetime, so per-stream resources the captured kernels use (the
+        # cuBLAS workspace among them) live as long as the graphs.
         self.stream = torch.cuda.Stream()
         for size in sorted(self.buckets, reverse=True):
             bucket = self.buckets[size]

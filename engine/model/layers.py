@@ -60,8 +60,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, Hkv, T, D] -> [B, Hkv * groups, T, D] by broadcasting: no index tensor, so no host-to-device copy is
-    involved (repeat_interleave and SDPA's enable_gqa build one, which raced with graph replays on the GPU)."""
+    """[B, Hkv, T, D] -> [B, Hkv * groups, T, D] by broadcasting, with no index tensor built on the fly (as
+    repeat_interleave does), so it is the same plain kernels on every backend and inside CUDA graphs."""
     if groups == 1:
         return x
     b, h, t, d = x.shape
