@@ -67,7 +67,6 @@ class EngineConfig:
     chunk_frames: int = 4  # the largest chunk
     attention_backend: str = "sdpa"  # "triton" reads only each request's length (GPU)
     step_mode: str = "eager"  # "eager" | "padded" (bucketed batches) | "graphs" (bucketed, CUDA graphs)
-    compile: bool = False  # torch.compile the frame step first (fuses its many small element-wise kernels)
     guard: RunawayGuard = field(default_factory=RunawayGuard)
 
 
@@ -98,8 +97,6 @@ class Engine:
             shape = CacheShape.from_budget(layers, config.kv_budget_bytes, config.capacity, tts.dtype,
                                            config.max_batch)
         self.runner = ModelRunner(tts.talker, shape, tts.device, tts.dtype, config.attention_backend)
-        if config.compile:
-            self.runner.step = torch.compile(self.runner.step, dynamic=True)
         self._step = self.runner.step
         if config.step_mode != "eager":
             self._step = PaddedStep(self.runner, tts.config.tts_pad_token_id, capture=config.step_mode == "graphs")

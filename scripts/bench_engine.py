@@ -69,7 +69,7 @@ class Bench:
                 max_batch=self.args.max_batch, capacity=self.args.capacity,
                 step_mode=self.args.step_mode or ("graphs" if gpu else "padded"),
                 attention_backend="triton" if gpu else "sdpa", max_waiting=100000, first_chunk_frames=1,
-                chunk_frames=self.args.chunk_frames, compile=self.args.compile))
+                chunk_frames=self.args.chunk_frames))
             print(json.dumps({"engine_ready_s": round(time.perf_counter() - started, 1)}), flush=True)
         assert self._engine.idle()
         return self._engine
@@ -233,7 +233,6 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--chunk-frames", type=int, default=4)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the frame step")
     parser.add_argument("--step-mode", choices=["eager", "padded", "graphs"], help="default: graphs on a GPU")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
