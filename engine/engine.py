@@ -13,6 +13,7 @@ from itertools import count
 import numpy as np
 import torch
 
+from engine.attention import BACKENDS
 from engine.cuda_graphs import PaddedStep
 from engine.decoder_pool import DecoderPool
 from engine.errors import RequestError
@@ -85,10 +86,15 @@ class _Stream:
     done: str | None = None
 
 
+STEP_MODES = ("eager", "padded", "graphs")
+
+
 class Engine:
     def __init__(self, tts: TTSModel, config: EngineConfig | None = None) -> None:
         self.tts = tts
         self.config = config = config or EngineConfig()
+        if config.attention_backend not in BACKENDS or config.step_mode not in STEP_MODES:
+            raise ValueError(f"attention_backend must be one of {BACKENDS} and step_mode one of {STEP_MODES}")
         layers = tts.config.talker.layers
         if config.kv_budget_bytes is None:
             shape = CacheShape(layers.num_hidden_layers, layers.num_key_value_heads, layers.head_dim,

@@ -11,7 +11,7 @@ joined, and the same code runs on the CPU and inside a CUDA graph (no generator 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -45,10 +45,6 @@ class SamplingParams:
         sub = SamplerParams(defaults.subtalker_dosample and not greedy, defaults.subtalker_temperature,
                             defaults.subtalker_top_k, defaults.subtalker_top_p)
         return cls(talker, sub, defaults.repetition_penalty, 0 if seed is None else seed)
-
-    def greedy(self) -> "SamplingParams":
-        return replace(self, talker=replace(self.talker, do_sample=False),
-                       code_predictor=replace(self.code_predictor, do_sample=False))
 
 
 @dataclass
