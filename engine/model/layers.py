@@ -22,10 +22,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """weight * (normalised in fp32, cast back), exactly as the reference rounds; `F.rms_norm` does the
+        normalisation in one kernel where the backend has one."""
+        normalised = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normalised.to(x.dtype)
 
 
 class LayerScale(nn.Module):
