@@ -79,7 +79,6 @@ class _Stream:
     max_frames: int
     ref_codes: torch.Tensor | None
     slot: int = -1
-    prompt_length: int = 0
     frames: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)
     decoded_frames: int = 0
@@ -123,16 +122,15 @@ class Engine:
         """Validate and queue a request; raises RequestError (bad input) or EngineFull at once."""
         if len(self.waiting) >= self.config.max_waiting:
             raise EngineFull(f"the engine is full ({len(self.waiting)} requests waiting); try again later")
-        prompt, text_tokens = self.tts.prompt(request.text, request.voice, request.language, request.layout)
-        room = self.runner.capacity - prompt.prefill.shape[0]
+        plan = self.tts.plan(request.text, request.voice, language=request.language, layout=request.layout,
+                             sampling=request.sampling, max_frames=request.max_frames, guard=self.config.guard)
+        length = plan.prompt.prefill.shape[0]
+        room = self.runner.capacity - length
         if room < 1:
-            raise RequestError(f"the prompt takes {prompt.prefill.shape[0]} positions, more than the engine's "
+            raise RequestError(f"the prompt takes {length} positions, more than the engine's "
                                f"context of {self.runner.capacity}; shorten the text")
-        limit = request.max_frames if request.max_frames is not None else self.config.guard.limit(text_tokens)
-        if limit < 1:
-            raise RequestError("max_frames must be at least 1")
-        sampling = request.sampling or SamplingParams.from_defaults(self.tts.config.generation)
-        stream = _Stream(next(self._ids), prompt, sampling, min(limit, room), request.voice.ref_codes)
+        stream = _Stream(next(self._ids), plan.prompt, plan.sampling, min(plan.max_frames, room),
+                         request.voice.ref_codes)
         self.waiting.append(stream)
         return stream.request_id
 
@@ -177,7 +175,6 @@ class Engine:
         while self.waiting and self.free_slots and len(admitted) < self.config.max_prefill_batch:
             stream = self.waiting.popleft()
             stream.slot = self.free_slots.pop(0)
-            stream.prompt_length = stream.prompt.prefill.shape[0]
             admitted.append(stream)
         if not admitted:
             return
@@ -197,7 +194,7 @@ class Engine:
 
         return StepBatch(
             slots=column([s.slot for s in streams]),
-            positions=column([s.prompt_length + s.frames for s in streams]),
+            positions=column([s.prompt.prefill.shape[0] + s.frames for s in streams]),
             frame_index=column([s.frames for s in streams]),
             text_ids=column([s.prompt.text_id(s.frames) for s in streams]),
             sampling=BatchSampling.of([s.sampling for s in streams], device),

@@ -36,6 +36,15 @@ class VoiceRequest:
     x_vector_only: bool = False
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A validated request, ready for any generation path."""
+
+    prompt: Prompt
+    sampling: SamplingParams
+    max_frames: int
+
+
 @dataclass
 class Synthesis:
     codes: torch.Tensor  # [frames, 16]
@@ -177,13 +186,23 @@ class TTSModel:
             prompt = self.prompts.build(voice, role_ids, text_ids, instruct_ids, lang, layout)
         return prompt, len(text_ids)
 
+    def plan(self, text: str, voice: Voice, *, language: str = "auto", layout: str | None = None,
+             sampling: SamplingParams | None = None, max_frames: int | None = None,
+             guard: RunawayGuard = RunawayGuard()) -> Plan:
+        """The prompt, the sampling (the checkpoint's defaults unless given) and the frame limit (the runaway
+        guard's unless given) of a request."""
+        prompt, text_tokens = self.prompt(text, voice, language, layout)
+        limit = max_frames if max_frames is not None else guard.limit(text_tokens)
+        if limit < 1:
+            raise RequestError("max_frames must be at least 1")
+        return Plan(prompt, sampling or SamplingParams.from_defaults(self.config.generation), limit)
+
     def synthesize(self, text: str, voice: Voice, *, language: str = "auto", layout: str | None = None,
                    sampling: SamplingParams | None = None, max_frames: int | None = None,
                    guard: RunawayGuard = RunawayGuard()) -> Synthesis:
-        prompt, text_tokens = self.prompt(text, voice, language, layout)
-        sampling = sampling or SamplingParams.from_defaults(self.config.generation)
-        limit = max_frames if max_frames is not None else guard.limit(text_tokens)
-        frames = list(generate_frames(self.talker, prompt, sampling, limit))
+        plan = self.plan(text, voice, language=language, layout=layout, sampling=sampling, max_frames=max_frames,
+                         guard=guard)
+        frames = list(generate_frames(self.talker, plan.prompt, plan.sampling, plan.max_frames))
         codes = (torch.stack(frames) if frames else
                  torch.zeros(0, self.config.talker.num_code_groups, dtype=torch.long, device=self.device))
         return Synthesis(codes=codes.cpu(), audio=self.decode(codes, voice.ref_codes), sample_rate=self.sample_rate)
