@@ -3,6 +3,10 @@
 Each slot keeps its own exact streaming state (sliding-window K/V, conv histories, position); a decode call gathers
 the states of the streams it serves, runs them as one batch and scatters them back, so streams that joined at
 different times share one decoder pass and each still hears exactly its offline decode.
+
+With `capture=True` (CUDA), the gather-decode-scatter of each (batch bucket, chunk length) is one CUDA graph: the
+decoder launches ~400 kernels a call, which would otherwise cost more than the frame step itself. Batches are
+padded onto a scratch slot, as the frame step's are; other chunk lengths (a final flush) run eagerly.
 """
 from __future__ import annotations
 
@@ -10,24 +14,39 @@ import torch
 
 from engine.model.codec_decoder import CodecDecoder, DecoderState
 
+DECODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _Graph:
+    def __init__(self, size: int, frames: int, scratch: int, quantizers: int, device: torch.device) -> None:
+        self.slots = torch.full((size,), scratch, dtype=torch.long, device=device)
+        self.codes = torch.zeros(size, frames, quantizers, dtype=torch.long, device=device)
+        self.graph = torch.cuda.CUDAGraph()
+        self.audio: torch.Tensor | None = None
+
 
 class DecoderPool:
-    def __init__(self, decoder: CodecDecoder, slots: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, decoder: CodecDecoder, slots: int, device: torch.device, dtype: torch.dtype,
+                 capture: bool = False, chunk_lengths: tuple[int, ...] = ()) -> None:
         self.decoder = decoder
+        self.scratch_slot = slots  # padding rows of graphed batches decode into this extra state
         template = decoder.new_state(1, device, dtype)
         codes = torch.zeros(1, 1, decoder.cfg.num_quantizers, dtype=torch.long, device=device)
         with torch.inference_mode():
             decoder.decode_step(codes, template)  # creates every conv history, so their shapes are known
 
         def pooled(t: torch.Tensor) -> torch.Tensor:
-            return torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=device)
+            return torch.zeros((slots + 1, *t.shape[1:]), dtype=t.dtype, device=device)
 
         self.state = DecoderState(
-            position=torch.zeros(slots, dtype=torch.long, device=device),
+            position=torch.zeros(slots + 1, dtype=torch.long, device=device),
             history={name: pooled(t) for name, t in template.history.items()},
             keys=[pooled(t) for t in template.keys],
             values=[pooled(t) for t in template.values],
         )
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        if capture:
+            self._capture(slots, chunk_lengths, device)
 
     def _tensors(self, state: DecoderState) -> list[torch.Tensor]:
         return [state.position, *state.history.values(), *state.keys, *state.values]
@@ -39,7 +58,18 @@ class DecoderPool:
     @torch.inference_mode()
     def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
         """codes [B, n, 16] for the streams in `slots` -> waveform [B, n * samples_per_frame]."""
-        index = torch.tensor(slots, device=codes.device)
+        rows, frames = codes.shape[:2]
+        size = next((b for b in DECODER_BUCKETS if b >= rows), None)
+        graph = self.graphs.get((size, frames))
+        if graph is None:
+            return self._decode(torch.tensor(slots, device=codes.device), codes)
+        graph.slots[:rows].copy_(torch.tensor(slots), non_blocking=True)
+        graph.slots[rows:] = self.scratch_slot
+        graph.codes[:rows].copy_(codes)
+        graph.graph.replay()
+        return graph.audio[:rows]
+
+    def _decode(self, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         state = DecoderState(
             position=self.state.position[index],
             history={name: t[index] for name, t in self.state.history.items()},
@@ -50,3 +80,22 @@ class DecoderPool:
         for pool, updated in zip(self._tensors(self.state), self._tensors(state)):
             pool[index] = updated
         return audio
+
+    @torch.inference_mode()
+    def _capture(self, slots: int, chunk_lengths: tuple[int, ...], device: torch.device) -> None:
+        stream = torch.cuda.Stream()
+        pool = torch.cuda.graph_pool_handle()  # replays are sequential and each output is read at once
+        quantizers = self.decoder.cfg.num_quantizers
+        for size in [b for b in DECODER_BUCKETS if b <= slots] or [1]:
+            for frames in chunk_lengths:
+                graph = _Graph(size, frames, self.scratch_slot, quantizers, device)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._decode(graph.slots, graph.codes)  # warm-up outside the capture
+                torch.cuda.current_stream().wait_stream(stream)
+                with torch.cuda.graph(graph.graph, pool=pool, stream=stream):
+                    graph.audio = self._decode(graph.slots, graph.codes)
+                self.graphs[(size, frames)] = graph
+        self.stream = stream
+        torch.cuda.synchronize()
+        self.reset(self.scratch_slot)

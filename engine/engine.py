@@ -17,6 +17,7 @@ from engine.attention import BACKENDS
 from engine.cuda_graphs import PaddedStep
 from engine.decoder_pool import DecoderPool
 from engine.errors import RequestError
+from engine.frame_path import FRAME_PATHS
 from engine.generate import BatchSampling, RunawayGuard
 from engine.kv_cache import CacheShape
 from engine.prompt import Prompt, Voice
@@ -68,6 +69,7 @@ class EngineConfig:
     chunk_frames: int = 4  # the largest chunk
     attention_backend: str = "sdpa"  # "triton" reads only each request's length (GPU)
     step_mode: str = "eager"  # "eager" | "padded" (bucketed batches) | "graphs" (bucketed, CUDA graphs)
+    frame_path: str = "torch"  # "torch" (the model's own code) | "triton" (fused kernels: the GPU's fast path)
     guard: RunawayGuard = field(default_factory=RunawayGuard)
 
 
@@ -92,8 +94,12 @@ class Engine:
     def __init__(self, tts: TTSModel, config: EngineConfig | None = None) -> None:
         self.tts = tts
         self.config = config = config or EngineConfig()
-        if config.attention_backend not in BACKENDS or config.step_mode not in STEP_MODES:
-            raise ValueError(f"attention_backend must be one of {BACKENDS} and step_mode one of {STEP_MODES}")
+        if (config.attention_backend not in BACKENDS or config.step_mode not in STEP_MODES
+                or config.frame_path not in FRAME_PATHS):
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, step_mode one of {STEP_MODES} and "
+                             f"frame_path one of {FRAME_PATHS}")
+        if config.first_chunk_frames < 1 or config.chunk_frames < 1:
+            raise ValueError("first_chunk_frames and chunk_frames must be at least 1")
         layers = tts.config.talker.layers
         if config.kv_budget_bytes is None:
             shape = CacheShape(layers.num_hidden_layers, layers.num_key_value_heads, layers.head_dim,
@@ -101,11 +107,13 @@ class Engine:
         else:
             shape = CacheShape.from_budget(layers, config.kv_budget_bytes, config.capacity, tts.dtype,
                                            config.max_batch)
-        self.runner = ModelRunner(tts.talker, shape, tts.device, tts.dtype, config.attention_backend)
+        self.runner = ModelRunner(tts.talker, shape, tts.device, tts.dtype, config.attention_backend,
+                                  config.frame_path)
         self._step = self.runner.step
         if config.step_mode != "eager":
             self._step = PaddedStep(self.runner, tts.config.tts_pad_token_id, capture=config.step_mode == "graphs")
-        self.decoders = DecoderPool(tts.decoder, shape.slots, tts.device, tts.dtype)
+        self.decoders = DecoderPool(tts.decoder, shape.slots, tts.device, tts.dtype,
+                                    capture=config.step_mode == "graphs", chunk_lengths=self._chunk_lengths())
         self.free_slots = list(range(shape.slots))
         self.waiting: deque[_Stream] = deque()
         self.running: dict[int, _Stream] = {}
@@ -200,13 +208,24 @@ class Engine:
             sampling=BatchSampling.of([s.sampling for s in streams], device),
         )
 
+    def _chunk_due(self, decoded_frames: int) -> int:
+        """Chunks grow with the audio already out (1, 1, 2, 4, ... frames): each one is due before the audio in
+        front of it has played, and the decoder's fixed cost is amortised as the buffer grows."""
+        return min(self.config.chunk_frames, max(self.config.first_chunk_frames, decoded_frames))
+
+    def _chunk_lengths(self) -> tuple[int, ...]:
+        """Every chunk length the schedule produces (a final flush may be shorter)."""
+        lengths, decoded = [], 0
+        while not lengths or lengths[-1] < self.config.chunk_frames:
+            lengths.append(self._chunk_due(decoded))
+            decoded += lengths[-1]
+        return tuple(sorted(set(lengths)))
+
     def _decode(self, streams: list[_Stream]) -> list[Event]:
         """Decode every stream whose next chunk is due, batching streams with the same chunk length."""
         groups: dict[int, list[_Stream]] = {}
         for stream in streams:
-            # Chunks grow with the audio already out (1, 1, 2, 4, ... frames): each one is due before the
-            # audio in front of it has played, and the decoder's fixed cost is amortised as the buffer grows.
-            due = min(self.config.chunk_frames, max(self.config.first_chunk_frames, stream.decoded_frames))
+            due = self._chunk_due(stream.decoded_frames)
             if stream.pending and (len(stream.pending) >= due or stream.done):
                 groups.setdefault(len(stream.pending), []).append(stream)
         events: list[Event] = []

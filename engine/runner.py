@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.generate import BatchSampling, sample_frame
+from engine.frame_path import FusedFramePath, TorchFramePath
+from engine.generate import BatchSampling
 from engine.kv_cache import CacheShape, SlotKVCache
 from engine.model.talker import Talker
 from engine.sampling import talker_logits_mask
@@ -27,7 +28,7 @@ class StepBatch:
 
 class ModelRunner:
     def __init__(self, talker: Talker, cache_shape: CacheShape, device: torch.device, dtype: torch.dtype,
-                 attention_backend: str = "sdpa") -> None:
+                 attention_backend: str = "sdpa", frame_path: str = "torch") -> None:
         cfg = talker.cfg
         self.talker = talker
         self.device = device
@@ -38,6 +39,8 @@ class ModelRunner:
         self.seen = torch.zeros(slots, cfg.vocab_size, dtype=torch.bool, device=device)
         self.suppressed = talker_logits_mask(cfg.vocab_size, cfg.codec_eos_token_id, device)
         self._true = torch.ones((), dtype=torch.bool, device=device)  # a device scalar: graph capture copies none
+        self.frame = (FusedFramePath(talker, self.cache, slots) if frame_path == "triton"
+                      else TorchFramePath(talker, self.cache))
 
     @property
     def capacity(self) -> int:
@@ -45,16 +48,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[torch.Tensor]) -> None:
-        """Run the prompts [P_i, H] of new requests as one right-padded batch into their slots."""
-        lengths = torch.tensor([p.shape[0] for p in prompts], device=self.device)
-        width = int(lengths.max())
-        batch = torch.zeros(len(prompts), width, prompts[0].shape[1], dtype=prompts[0].dtype, device=self.device)
-        for row, prompt in enumerate(prompts):
-            batch[row, : prompt.shape[0]] = prompt
+        """Run the prompts [P_i, H] of new requests as one batch into their slots."""
         slot_index = torch.tensor(slots, device=self.device)
-        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
-        hidden = self.talker.model(batch, positions, self.cache.prefill_attends(slot_index, lengths))
-        self.last_hidden[slot_index] = hidden[torch.arange(len(prompts), device=self.device), lengths - 1]
+        self.last_hidden[slot_index] = self.frame.prefill(slot_index, prompts)
         self.seen[slot_index] = False
 
     @torch.inference_mode()
@@ -62,11 +58,9 @@ class ModelRunner:
         """One frame for every row: codes [B, 16] (code 0 may be EOS); advances each slot by one position."""
         talker = self.talker
         hidden = self.last_hidden[batch.slots]
-        codes = sample_frame(talker, hidden, self.seen[batch.slots], batch.frame_index, batch.sampling,
-                             self.suppressed)
+        codes = self.frame.sample(hidden, self.seen[batch.slots], batch.frame_index, batch.sampling, self.suppressed)
         self.seen.index_put_((batch.slots, codes[:, 0]), self._true)
         step_input = talker.frame_embed(codes) + talker.text_embed(batch.text_ids)
-        attends = self.cache.decode_attends(batch.slots, batch.positions)
-        hidden = talker.model(step_input[:, None], batch.positions[:, None], attends)[:, 0]
+        hidden = self.frame.advance(step_input, batch.slots, batch.positions)
         self.last_hidden[batch.slots] = hidden
         return codes

@@ -44,17 +44,23 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr,
     tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty))
 
 
-def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                            lengths: torch.Tensor, block_n: int = 64) -> torch.Tensor:
-    """q [B, Hq, 1, D]; caches [slots, Hkv, capacity, D] (contiguous in D); lengths [B] -> [B, Hq, 1, D]."""
-    batch, heads, _, head_dim = q.shape
+def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     lengths: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """q [N, Hq, D], one query per row; caches [slots, Hkv, capacity, D] (contiguous in D); row n attends over
+    positions 0..lengths[n]-1 of slot slots[n] -> [N, Hq, D]."""
+    rows, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
-    query = q[:, :, 0].contiguous()
-    out = torch.empty_like(query)
-    _decode_kernel[(batch, kv_heads)](
-        query, k_cache, v_cache, out, slots, lengths,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    out = torch.empty_like(q)
+    _decode_kernel[(rows, kv_heads)](
+        q, k_cache, v_cache, out, slots, lengths,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), head_dim ** -0.5,
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_N=block_n,
     )
-    return out[:, :, None]
+    return out
+
+
+def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                            lengths: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, 1, D]; caches [slots, Hkv, capacity, D] (contiguous in D); lengths [B] -> [B, Hq, 1, D]."""
+    return varlen_attention(q[:, :, 0].contiguous(), k_cache, v_cache, slots, lengths)[:, :, None]

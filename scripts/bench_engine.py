@@ -68,7 +68,8 @@ class Bench:
             self._engine = Engine(self.tts, EngineConfig(
                 max_batch=self.args.max_batch, capacity=self.args.capacity,
                 step_mode=self.args.step_mode or ("graphs" if gpu else "padded"),
-                attention_backend="triton" if gpu else "sdpa", max_waiting=100000, first_chunk_frames=1,
+                attention_backend="triton" if gpu else "sdpa", frame_path=self.args.frame_path or
+                ("triton" if gpu else "torch"), max_waiting=100000, first_chunk_frames=1,
                 chunk_frames=self.args.chunk_frames))
             print(json.dumps({"engine_ready_s": round(time.perf_counter() - started, 1)}), flush=True)
         assert self._engine.idle()
@@ -99,24 +100,29 @@ class Bench:
 
         engine._step = recording
         ids = {engine.submit(r): i for i, r in enumerate(requests)}
-        slot_of = {}
+        slot_of, audio = {}, {}
         while not engine.idle():
             engine._admit()
             for stream in engine.running.values():
                 slot_of[ids[stream.request_id]] = stream.slot
-            engine.step()
+            for event in engine.step():
+                if isinstance(event, AudioChunk):
+                    audio.setdefault(ids[event.request_id], []).append(event.samples)
         agree = total = 0
-        first_difference = []
+        first_difference, audio_difference = [], []
         for i, request in enumerate(requests):
             reference = self.tts.synthesize(request.text, request.voice, language=request.language,
                                             layout=request.layout, sampling=request.sampling,
-                                            max_frames=request.max_frames).codes
-            mine = torch.stack(codes[slot_of[i]][: len(reference)])
-            same = (mine == reference).all(dim=1)
+                                            max_frames=request.max_frames)
+            mine = torch.stack(codes[slot_of[i]][: len(reference.codes)])
+            same = (mine == reference.codes).all(dim=1)
             agree += int(same.sum())
-            total += len(reference)
+            total += len(reference.codes)
             first_difference.append(int((~same).nonzero()[0]) if not same.all() else None)
-        return dict(frames_compared=total, frame_agreement=agree / total, first_difference=first_difference)
+            if same.all():  # the graphed, batched decoder against the offline decode of the same codes
+                audio_difference.append(float(np.abs(np.concatenate(audio[i]) - reference.audio).max()))
+        return dict(frames_compared=total, frame_agreement=agree / total, first_difference=first_difference,
+                    max_audio_difference_where_codes_agree=max(audio_difference, default=None))
 
     def single(self) -> dict:
         engine = self.engine()
@@ -233,6 +239,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--chunk-frames", type=int, default=4)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--frame-path", choices=["torch", "triton"], help="default: triton on a GPU")
     parser.add_argument("--step-mode", choices=["eager", "padded", "graphs"], help="default: graphs on a GPU")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()

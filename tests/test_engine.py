@@ -76,6 +76,21 @@ def test_batched_engine_equals_the_single_request_path(tts, greedy, mode, backen
         np.testing.assert_allclose(audio, expected.audio, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
+def test_fused_frame_path_equals_the_single_request_path(tts, greedy):
+    """The Triton frame path (fused layers, varlen prefill, one-kernel sampling) run by the interpreter: a request
+    joining a running one gets exactly the reference path's audio."""
+    reqs = requests(tts, greedy, frames=[7, 5])
+    engine = Engine(tts, EngineConfig(max_batch=2, capacity=128, chunk_frames=2, step_mode="padded",
+                                      attention_backend="triton", frame_path="triton"))
+    results = run(engine, {0: reqs[:1], 2: reqs[1:]})
+    for i, request in enumerate(reqs):
+        expected = reference(tts, request)
+        audio, finish = results[i]
+        assert finish.frames == expected.codes.shape[0]
+        np.testing.assert_allclose(audio, expected.audio, atol=1e-5, rtol=0)
+
+
 def test_codes_match_frame_for_frame(tts):
     """The engine's codes, read back from its runner, equal the reference path's."""
     request = requests(tts, True, frames=[12])[0]

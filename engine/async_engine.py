@@ -1,0 +1,128 @@
+"""The engine on its own thread, for asyncio callers (the gateway): submit from any coroutine, read each request's
+events from its own queue, cancel at any time.
+
+The step loop owns the GPU; callers never wait for a step to finish except to take the engine's lock for a
+submit or cancel (the engine itself is single-threaded). A step that raises (a CUDA error) fails every request
+with a `Finished(reason="error")` and marks the engine unhealthy, so readiness can turn off; it never takes the
+caller's event loop down.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from engine.engine import Engine, Event, Finished, SynthesisRequest
+
+
+class RequestStream:
+    """One request's events, in order, ending with its `Finished`. After `cancel()` nothing more is delivered."""
+
+    def __init__(self, request_id: int, runner: "AsyncEngine") -> None:
+        self.request_id = request_id
+        self._runner = runner
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = False
+
+    def _deliver(self, event: Event) -> None:
+        if not self.cancelled:
+            self._events.put_nowait(event)
+
+    def cancel(self) -> bool:
+        """Stop the request now; returns whether it was still running or waiting."""
+        self.cancelled = True
+        return self._runner._cancel(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while not self.cancelled:
+            event = await self._events.get()
+            if self.cancelled:
+                return
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_step: Callable[[float, int], None] | None = None) -> None:
+        """`on_step(seconds, batch)` is called after every step (metrics)."""
+        self.engine = engine
+        self.on_step = on_step
+        self.error: str | None = None
+        self.last_step_started: float | None = None  # set while a step runs: a stalled step shows here
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self._streams: dict[int, RequestStream] = {}
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="voxgate-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._work.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def active(self) -> int:
+        return len(self._streams)
+
+    def submit(self, request: SynthesisRequest) -> RequestStream:
+        """Queue a request; raises `RequestError` / `EngineFull` at once, or `RuntimeError` after a failure."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine has failed: {self.error}")
+        with self._lock:
+            request_id = self.engine.submit(request)
+            stream = RequestStream(request_id, self)
+            self._streams[request_id] = stream
+        self._work.set()
+        return stream
+
+    def _cancel(self, request_id: int) -> bool:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            return self.engine.cancel(request_id)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if self.engine.idle():
+                self._work.wait(timeout=0.5)
+                self._work.clear()
+                continue
+            with self._lock:
+                started = self.last_step_started = time.monotonic()
+                batch = len(self.engine.running)
+                try:
+                    events = self.engine.step()
+                except Exception as error:  # a device failure: every request ends, the loop stays up
+                    self._fail(f"{type(error).__name__}: {error}")
+                    return
+                finally:
+                    self.last_step_started = None
+                streams = {event.request_id: self._streams.get(event.request_id) for event in events}
+                for event in events:
+                    if isinstance(event, Finished):
+                        self._streams.pop(event.request_id, None)
+            if self.on_step is not None:
+                self.on_step(time.monotonic() - started, batch)
+            self._loop.call_soon_threadsafe(self._dispatch, events, streams)
+
+    @staticmethod
+    def _dispatch(events: list[Event], streams: dict[int, RequestStream | None]) -> None:
+        for event in events:
+            stream = streams[event.request_id]
+            if stream is not None:
+                stream._deliver(event)
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        failed = list(self._streams.values())
+        self._streams.clear()
+        events = [Finished(s.request_id, "error", 0, message) for s in failed]
+        self._loop.call_soon_threadsafe(self._dispatch, events, {s.request_id: s for s in failed})

@@ -1,0 +1,74 @@
+"""A DecoderStack's forward for the engine: merged projections and fused Triton kernels over a slot cache.
+
+Per layer: RMSNorm (fused with the previous residual add), one QKV matmul, one kernel for q/k norm + RoPE + the
+cache write, varlen attention, the output matmul, add + RMSNorm, one gate/up matmul, SwiGLU, the down matmul:
+9 launches instead of ~45. The merged weights are the module's own storage (its q/k/v and gate/up parameters
+become views into them), so the simple path keeps working on the same memory.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.fused_kernels import add_rms_norm, qk_norm_rope_store, silu_mul
+from engine.model.layers import DecoderLayer, DecoderStack
+from engine.triton_attention import varlen_attention
+
+
+def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for linears that read the same input; each linear's parameters become views of it."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+        if has_bias:
+            linear.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
+class _MergedLayer:
+    def __init__(self, layer: DecoderLayer) -> None:
+        attention = layer.self_attn
+        self.layer = layer
+        self.qkv, self.qkv_bias = merge_linears(attention.q_proj, attention.k_proj, attention.v_proj)
+        self.gate_up, _ = merge_linears(layer.mlp.gate_proj, layer.mlp.up_proj)
+
+
+class FusedLayers:
+    def __init__(self, stack: DecoderStack) -> None:
+        self.stack = stack
+        self.layers = [_MergedLayer(layer) for layer in stack.layers]
+        first = stack.layers[0].self_attn
+        self.q_heads, self.head_dim = first.num_heads, first.head_dim
+        self.eps = stack.norm.eps
+        rotary = stack.rotary
+        exponent = torch.arange(0, rotary.head_dim, 2, device=stack.norm.weight.device).float() / rotary.head_dim
+        self.inv_freq = 1.0 / (rotary.theta ** exponent)  # as RotaryEmbedding computes it
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        """x [N, H] (consumed: it becomes the residual stream), one token per row at positions [N] of cache slots
+        [N]; caches [layers, slots, Hkv, capacity, D]. Returns the final-normed hidden states [N, H].
+
+        Several rows may share a slot (a prefill): every row's key is stored before any row attends, and each row
+        sees its slot's positions up to its own."""
+        lengths = positions + 1
+        norms = [merged.layer.input_layernorm.weight for merged in self.layers[1:]] + [self.stack.norm.weight]
+        normed = add_rms_norm(x, None, self.layers[0].layer.input_layernorm.weight, self.eps)
+        for index, (merged, next_norm) in enumerate(zip(self.layers, norms)):
+            layer = merged.layer
+            attention = layer.self_attn
+            queries = qk_norm_rope_store(F.linear(normed, merged.qkv, merged.qkv_bias), attention.q_norm.weight,
+                                         attention.k_norm.weight, self.inv_freq, positions, slots, k_cache[index],
+                                         v_cache[index], self.q_heads, self.eps)
+            attended = varlen_attention(queries, k_cache[index], v_cache[index], slots, lengths)
+            normed = add_rms_norm(x, attention.o_proj(attended.view(x.shape[0], -1)),
+                                  layer.post_attention_layernorm.weight, self.eps)
+            normed = add_rms_norm(x, layer.mlp.down_proj(silu_mul(F.linear(normed, merged.gate_up))), next_norm,
+                                  self.eps)
+        return normed

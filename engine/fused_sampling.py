@@ -1,0 +1,95 @@
+"""The whole draw of one code in one Triton kernel: temperature, top-k, top-p, counter-based Gumbel noise, argmax.
+
+`sampling.choose` is the PyTorch definition (two sorts and ~70 small kernels per draw, 16 draws per frame); this
+kernel gives the same ids in one launch per draw. It needs no sort: the top-k and top-p cut-offs are found by
+building the threshold bit by bit over the order-preserving integer image of the float logits (32 masked
+reductions each), which lands exactly on the value the sorted definition picks, ties included. The noise is the
+same hash of (seed, counter, token) as `sampling.gumbel_noise`, in uint32 arithmetic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.sampling import SamplerBatch
+
+
+@triton.jit
+def _mix32(x):
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _ordered_keys(x):
+    """float32 -> uint32 with the same order (negative floats flipped, positive ones above them)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _largest_key(keys, valid, weights, limit, AT_LEAST: tl.constexpr):
+    """The largest t with count(keys >= t) >= limit (AT_LEAST), or with sum(weights of keys < t) <= limit."""
+    answer = tl.zeros((), tl.uint32)
+    for bit in tl.static_range(32):
+        candidate = answer | tl.full((), 1 << (31 - bit), tl.uint32)
+        if AT_LEAST:
+            ok = tl.sum((valid & (keys >= candidate)).to(tl.int32), axis=0) >= limit
+        else:
+            ok = tl.sum(tl.where(valid & (keys < candidate), weights, 0.0), axis=0) <= limit
+        answer = tl.where(ok, candidate, answer)
+    return answer
+
+
+@triton.jit
+def _gumbel(seed, counter, cols):
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    row = _mix32(_mix32(seed_lo) ^ seed_hi)
+    row = _mix32(row ^ _mix32((counter & 0xFFFFFFFF).to(tl.uint32)))
+    bits = _mix32(row ^ (cols.to(tl.uint32) * 0x27D4EB2F)) >> 9
+    uniform = (bits.to(tl.float32) + 0.5) / 8388608.0
+    return -tl.log(-tl.log(uniform))
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride_row, vocab, out_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
+                   seeds_ptr, frame_ptr, group, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < vocab
+    logits = tl.load(logits_ptr + row * stride_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    chosen = tl.argmax(logits, axis=0)
+    if tl.load(do_sample_ptr + row) != 0:
+        x = logits / tl.load(temperature_ptr + row)
+        keys = _ordered_keys(x)
+        keep = valid
+        top_k = tl.load(top_k_ptr + row)
+        if (top_k > 0) & (top_k < vocab):
+            keep = keep & (keys >= _largest_key(keys, valid, x, top_k.to(tl.int32), True))
+            x = tl.where(keep, x, float("-inf"))
+        top_p = tl.load(top_p_ptr + row)
+        if top_p < 1.0:
+            weights = tl.where(keep, tl.exp(x - tl.max(x, axis=0)), 0.0)
+            weights = weights / tl.sum(weights, axis=0)
+            cut = _largest_key(keys, keep, weights, 1.0 - top_p, False)
+            cut = tl.minimum(cut, tl.max(tl.where(keep, keys, 0), axis=0))
+            keep = keep & (keys >= cut)
+        counter = tl.load(frame_ptr + row) * GROUPS + group
+        noisy = tl.where(keep, x + _gumbel(tl.load(seeds_ptr + row), counter, cols), float("-inf"))
+        chosen = tl.argmax(noisy, axis=0)
+    tl.store(out_ptr + row, chosen.to(tl.int64))
+
+
+def fused_choose(logits: torch.Tensor, params: SamplerBatch, seeds: torch.Tensor, frame_index: torch.Tensor,
+                 group: int, groups: int = 16) -> torch.Tensor:
+    """The ids `sampling.choose` picks for logits [B, V] with counters draw_counter(frame_index, group)."""
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    block = triton.next_power_of_2(vocab)
+    _sample_kernel[(rows,)](logits, logits.stride(0), vocab, out, params.do_sample, params.temperature,
+                            params.top_k, params.top_p, seeds, frame_index, group, GROUPS=groups, BLOCK=block,
+                            num_warps=8 if block >= 2048 else 4)
+    return out

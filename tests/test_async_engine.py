@@ -1,0 +1,72 @@
+"""The engine on its own thread, driven from asyncio: concurrent requests get exactly the audio of the
+single-request path, and a cancelled request delivers nothing more while the others finish."""
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.engine import AudioChunk, Engine, EngineConfig, Finished, SynthesisRequest
+from engine.sampling import SamplingParams
+from engine.tts import TTSModel, VoiceRequest
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoints) -> TTSModel:
+    return TTSModel.load(tiny_checkpoints["custom_voice"])
+
+
+def request(tts: TTSModel, text: str, frames: int, seed: int) -> SynthesisRequest:
+    sampling = SamplingParams.from_defaults(tts.config.generation, seed=seed)
+    return SynthesisRequest(text, tts.voice(VoiceRequest(speaker="ryan")), language="english", sampling=sampling,
+                            max_frames=frames)
+
+
+async def collect(stream) -> tuple[np.ndarray, Finished]:
+    chunks = []
+    async for event in stream:
+        if isinstance(event, AudioChunk):
+            chunks.append(event.samples)
+        else:
+            return np.concatenate(chunks), event
+    raise AssertionError("the stream ended without Finished")
+
+
+def test_concurrent_requests_equal_the_single_request_path(tts):
+    reqs = [request(tts, "Good morning to you all.", 9, 1), request(tts, "And a second voice.", 6, 2)]
+
+    async def main():
+        runner = AsyncEngine(Engine(tts, EngineConfig(max_batch=2, capacity=128)))
+        runner.start()
+        try:
+            return await asyncio.gather(*(collect(runner.submit(r)) for r in reqs))
+        finally:
+            await runner.stop()
+
+    for (audio, finished), r in zip(asyncio.run(main()), reqs):
+        expected = tts.synthesize(r.text, r.voice, language=r.language, sampling=r.sampling, max_frames=r.max_frames)
+        assert finished.frames == expected.codes.shape[0]
+        np.testing.assert_allclose(audio, expected.audio, atol=1e-5, rtol=0)
+
+
+def test_cancel_stops_delivery_and_frees_the_slot(tts):
+    async def main():
+        engine = Engine(tts, EngineConfig(max_batch=2, capacity=256))
+        runner = AsyncEngine(engine)
+        runner.start()
+        try:
+            long = runner.submit(request(tts, "A long sentence that would take many frames.", 150, 3))
+            short = runner.submit(request(tts, "Short one.", 8, 4))
+            first = await anext(aiter(long))
+            assert isinstance(first, AudioChunk)
+            assert long.cancel()
+            after = [event async for event in long]
+            short_audio, short_finished = await collect(short)
+            return after, short_finished, runner.active, len(engine.free_slots)
+        finally:
+            await runner.stop()
+
+    after, short_finished, active, free = asyncio.run(main())
+    assert after == []
+    assert short_finished.reason in ("eos", "length")
+    assert active == 0 and free == 2

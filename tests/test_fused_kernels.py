@@ -1,0 +1,97 @@
+"""The fused Triton kernels of the engine's fast frame path against the model's PyTorch code, run by Triton's
+interpreter on the CPU (conftest sets TRITON_INTERPRET=1), in fp32 and bf16."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import DecoderLayersConfig
+from engine.fused_kernels import add_rms_norm, qk_norm_rope_store, silu_mul
+from engine.fused_sampling import fused_choose
+from engine.model.layers import Attention, RMSNorm, RotaryEmbedding, apply_rope
+from engine.sampling import SamplerBatch, choose, draw_counter
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """fp32: summation order only; bf16: a rounding step apart (Triton's interpreter truncates fp32 -> bf16 where
+    the GPU rounds to nearest)."""
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype):
+    generator = torch.Generator().manual_seed(1)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96, generator=generator)
+    norm = norm.to(dtype)
+    residual = torch.randn(5, 96, generator=generator).to(dtype)
+    delta = torch.randn(5, 96, generator=generator).to(dtype)
+    expected_sum = residual + delta
+    fused_residual = residual.clone()
+    normed = add_rms_norm(fused_residual, delta, norm.weight, 1e-6)
+    torch.testing.assert_close(fused_residual, expected_sum, **tolerance(dtype))
+    torch.testing.assert_close(normed, norm(expected_sum), **tolerance(dtype))
+    plain = residual.clone()
+    torch.testing.assert_close(add_rms_norm(plain, None, norm.weight, 1e-6), norm(residual), **tolerance(dtype))
+    assert torch.equal(plain, residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_store_matches_the_attention_module(dtype):
+    cfg = DecoderLayersConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                              attention_bias=False)
+    generator = torch.Generator().manual_seed(2)
+    attention = Attention(cfg)
+    for param in attention.parameters():
+        param.data = torch.randn(param.shape, generator=generator)
+    attention = attention.to(dtype)
+    rows, heads, kv_heads, dim = 3, 4, 2, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    positions = torch.tensor([0, 7, 130])
+    slots = torch.tensor([2, 0, 2])
+    k_cache = torch.zeros(4, kv_heads, 160, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    queries = qk_norm_rope_store(qkv, attention.q_norm.weight, attention.k_norm.weight, inv_freq, positions, slots,
+                                 k_cache, v_cache, heads, 1e-6)
+
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    cos, sin = RotaryEmbedding(dim, 10000.0)(positions[:, None], dtype)
+    expected_q = apply_rope(attention.q_norm(q.view(rows, 1, heads, dim)).transpose(1, 2), cos, sin)[:, :, 0]
+    expected_k = apply_rope(attention.k_norm(k.view(rows, 1, kv_heads, dim)).transpose(1, 2), cos, sin)[:, :, 0]
+    torch.testing.assert_close(queries, expected_q, **tolerance(dtype))
+    for row, (slot, position) in enumerate(zip(slots.tolist(), positions.tolist())):
+        torch.testing.assert_close(k_cache[slot, :, position], expected_k[row], **tolerance(dtype))
+        assert torch.equal(v_cache[slot, :, position], v[row].view(kv_heads, dim))
+    assert int((k_cache != 0).any(dim=-1).sum()) == rows * kv_heads  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_swiglu(dtype):
+    gate_up = torch.randn(4, 2 * 1500, generator=torch.Generator().manual_seed(3)).to(dtype)  # two blocks, ragged
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_sampler_picks_the_ids_of_the_reference_sampler(dtype):
+    """Temperature, top-k with ties at the k-th value, top-p, greedy rows, -inf logits, negative seeds."""
+    generator = torch.Generator().manual_seed(4)
+    rows, vocab = 12, 2048
+    logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype).float()
+    logits[0, 5] = float("-inf")
+    logits[1, :1000] = float("-inf")
+    logits[2] = torch.round(logits[2] * 2) / 2  # many ties
+    params = SamplerBatch(
+        do_sample=torch.tensor([True] * 10 + [False] * 2),
+        temperature=torch.rand(rows, generator=generator) + 0.5,
+        top_k=torch.tensor([50, 0, 10, 1, 2048, 3000, 7, 50, 0, 100, 50, 0]),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 0.5, 0.95, 1.0, 0.3, 1.0, 0.0, 1.0, 1.0]))
+    seeds = torch.randint(0, 2**62, (rows,), generator=generator)
+    seeds[3] = -5
+    frames = torch.randint(0, 500, (rows,), generator=generator)
+    for group in range(4):
+        expected = choose(logits, params, seeds, draw_counter(frames, group))
+        assert torch.equal(fused_choose(logits, params, seeds, frames, group), expected)
