@@ -4,9 +4,9 @@ Each slot keeps its own exact streaming state (sliding-window K/V, conv historie
 the states of the streams it serves, runs them as one batch and scatters them back, so streams that joined at
 different times share one decoder pass and each still hears exactly its offline decode.
 
-With `capture=True` (CUDA), the gather-decode-scatter of each (batch bucket, chunk length) is one CUDA graph: the
-decoder launches ~400 kernels a call, which would otherwise cost more than the frame step itself. Batches are
-padded onto a scratch slot, as the frame step's are; other chunk lengths (a final flush) run eagerly.
+With `capture=True` (CUDA), the gather-decode-scatter of each (batch bucket, chunk length) is one CUDA graph, so a
+decode call costs one launch instead of one per op of the decoder. Batches are padded onto a scratch slot, as the
+frame step's are; other chunk lengths (a final flush, a voice-clone reference) run eagerly.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.frame_path import FusedFramePath, TorchFramePath
+from engine.frame_path import TorchFramePath
 from engine.generate import BatchSampling
 from engine.kv_cache import CacheShape, SlotKVCache
 from engine.model.talker import Talker
@@ -39,8 +39,11 @@ class ModelRunner:
         self.seen = torch.zeros(slots, cfg.vocab_size, dtype=torch.bool, device=device)
         self.suppressed = talker_logits_mask(cfg.vocab_size, cfg.codec_eos_token_id, device)
         self._true = torch.ones((), dtype=torch.bool, device=device)  # a device scalar: graph capture copies none
-        self.frame = (FusedFramePath(talker, self.cache, slots) if frame_path == "triton"
-                      else TorchFramePath(talker, self.cache))
+        self.frame = TorchFramePath(talker, self.cache)
+        if frame_path == "triton":  # imported here: Triton is only needed (and installed) where it runs
+            from engine.fused_frame_path import FusedFramePath
+
+            self.frame = FusedFramePath(talker, self.cache, slots)
 
     @property
     def capacity(self) -> int:

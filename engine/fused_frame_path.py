@@ -1,0 +1,71 @@
+"""The engine's fast frame path: the arithmetic of `frame_path.TorchFramePath` with merged projections and Triton
+kernels (`fused_decoder`, `fused_sampling`): ~1,170 launches per frame instead of ~6,500, which is what a graph
+replay costs on the GPU. Prefill is one varlen pass over the prompts' tokens, with no padding.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.fused_decoder import FusedLayers
+from engine.fused_sampling import fused_choose
+from engine.generate import BatchSampling
+from engine.kv_cache import SlotKVCache
+from engine.model.talker import Talker
+from engine.sampling import process_talker_logits
+
+
+class FusedFramePath:
+    def __init__(self, talker: Talker, cache: SlotKVCache, rows: int) -> None:
+        """`rows`: the largest batch a step will run (the code predictor keeps a 16-position cache per row)."""
+        self.talker, self.cache = talker, cache
+        self.talker_layers = FusedLayers(talker.model)
+        predictor = talker.code_predictor
+        self.predictor_layers = FusedLayers(predictor.model)
+        layers = predictor.cfg.layers
+        device, dtype = cache.k.device, cache.k.dtype
+        shape = (layers.num_hidden_layers, rows, layers.num_key_value_heads, predictor.cfg.num_code_groups,
+                 layers.head_dim)
+        self.predictor_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.predictor_v = torch.zeros(shape, dtype=dtype, device=device)
+        # Index tensors sliced per batch size, so a step builds none on the fly.
+        self.rows = torch.arange(rows, device=device)
+        self.pair_rows = self.rows.repeat_interleave(2)
+        self.pair_positions = torch.arange(2, device=device).repeat(rows)
+        self.group_positions = torch.arange(predictor.cfg.num_code_groups, device=device)[:, None].repeat(1, rows)
+
+    def prefill(self, slots: torch.Tensor, prompts: list[torch.Tensor]) -> torch.Tensor:
+        """The prompts' tokens as rows of one varlen pass (no padding): each row attends within its own prompt."""
+        lengths = [p.shape[0] for p in prompts]
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(slots.device)
+        rows = torch.repeat_interleave(slots, torch.tensor(lengths, device=slots.device))
+        hidden = self.talker_layers(torch.cat(prompts), positions, rows, self.cache.k, self.cache.v)
+        return hidden[torch.tensor(lengths).cumsum(0).to(slots.device) - 1]
+
+    def sample(self, hidden: torch.Tensor, seen: torch.Tensor, frame_index: torch.Tensor, sampling: BatchSampling,
+               suppressed: torch.Tensor) -> torch.Tensor:
+        talker = self.talker
+        cfg = talker.cfg
+        logits = process_talker_logits(talker.codec_head(hidden), seen, frame_index, sampling.min_frames,
+                                       sampling.penalty, suppressed, cfg.codec_eos_token_id)
+        code = fused_choose(logits, sampling.talker, sampling.seeds, frame_index, 0, cfg.num_code_groups)
+        predictor = talker.code_predictor
+        batch = hidden.shape[0]
+        # The predictor's prefill: (talker hidden, code 0) at positions 0 and 1 of each row's cache.
+        pair = predictor.small_to_mtp_projection(torch.stack((hidden, talker.codec_embed(code)), dim=1))
+        state = self._predictor(pair.reshape(2 * batch, -1), self.pair_positions[: 2 * batch],
+                                self.pair_rows[: 2 * batch]).view(batch, 2, -1)[:, 1]
+        codes = [code]
+        for group in range(cfg.num_code_groups - 1):
+            code = fused_choose(predictor.lm_head[group](state), sampling.code_predictor, sampling.seeds,
+                                frame_index, group + 1, cfg.num_code_groups)
+            codes.append(code)
+            if group + 2 < cfg.num_code_groups:
+                embed = predictor.small_to_mtp_projection(predictor.model.codec_embedding[group](code))
+                state = self._predictor(embed, self.group_positions[group + 2, :batch], self.rows[:batch])
+        return torch.stack(codes, dim=1)
+
+    def _predictor(self, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.predictor_layers(x, positions, rows, self.predictor_k, self.predictor_v)
+
+    def advance(self, step_input: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.talker_layers(step_input, positions, slots, self.cache.k, self.cache.v)
