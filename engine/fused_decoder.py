@@ -46,9 +46,7 @@ class FusedLayers:
         first = stack.layers[0].self_attn
         self.q_heads, self.head_dim = first.num_heads, first.head_dim
         self.eps = stack.norm.eps
-        rotary = stack.rotary
-        exponent = torch.arange(0, rotary.head_dim, 2, device=stack.norm.weight.device).float() / rotary.head_dim
-        self.inv_freq = 1.0 / (rotary.theta ** exponent)  # as RotaryEmbedding computes it
+        self.inv_freq = stack.rotary.inv_freq(stack.norm.weight.device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> torch.Tensor:

@@ -53,12 +53,12 @@ def test_qk_norm_rope_store_matches_the_attention_module(dtype):
     slots = torch.tensor([2, 0, 2])
     k_cache = torch.zeros(4, kv_heads, 160, dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
-    queries = qk_norm_rope_store(qkv, attention.q_norm.weight, attention.k_norm.weight, inv_freq, positions, slots,
-                                 k_cache, v_cache, heads, 1e-6)
+    rotary = RotaryEmbedding(dim, 10000.0)
+    queries = qk_norm_rope_store(qkv, attention.q_norm.weight, attention.k_norm.weight, rotary.inv_freq("cpu"),
+                                 positions, slots, k_cache, v_cache, heads, 1e-6)
 
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    cos, sin = RotaryEmbedding(dim, 10000.0)(positions[:, None], dtype)
+    cos, sin = rotary(positions[:, None], dtype)
     expected_q = apply_rope(attention.q_norm(q.view(rows, 1, heads, dim)).transpose(1, 2), cos, sin)[:, :, 0]
     expected_k = apply_rope(attention.k_norm(k.view(rows, 1, kv_heads, dim)).transpose(1, 2), cos, sin)[:, :, 0]
     torch.testing.assert_close(queries, expected_q, **tolerance(dtype))

@@ -47,14 +47,17 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
 
+    def inv_freq(self, device: torch.device | str) -> torch.Tensor:
+        """[head_dim / 2] fp32 angular frequencies."""
+        exponent = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
+        return 1.0 / (self.theta ** exponent)
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, T, head_dim].
 
         The frequencies are rebuilt in fp32 on every call rather than kept as a buffer, so casting the model to
         bf16 can never round them."""
-        exponent = torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim
-        inv_freq = 1.0 / (self.theta ** exponent)
-        freqs = positions.float()[..., None] * inv_freq
+        freqs = positions.float()[..., None] * self.inv_freq(positions.device)
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
