@@ -35,11 +35,11 @@ class FusedFramePath:
 
     def prefill(self, slots: torch.Tensor, prompts: list[torch.Tensor]) -> torch.Tensor:
         """The prompts' tokens as rows of one varlen pass (no padding): each row attends within its own prompt."""
-        lengths = [p.shape[0] for p in prompts]
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(slots.device)
-        rows = torch.repeat_interleave(slots, torch.tensor(lengths, device=slots.device))
+        lengths = torch.tensor([p.shape[0] for p in prompts])
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(slots.device)
+        rows = torch.repeat_interleave(slots, lengths.to(slots.device))
         hidden = self.talker_layers(torch.cat(prompts), positions, rows, self.cache.k, self.cache.v)
-        return hidden[torch.tensor(lengths).cumsum(0).to(slots.device) - 1]
+        return hidden[(lengths.cumsum(0) - 1).to(slots.device)]
 
     def sample(self, hidden: torch.Tensor, seen: torch.Tensor, frame_index: torch.Tensor, sampling: BatchSampling,
                suppressed: torch.Tensor) -> torch.Tensor:

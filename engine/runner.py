@@ -39,11 +39,12 @@ class ModelRunner:
         self.seen = torch.zeros(slots, cfg.vocab_size, dtype=torch.bool, device=device)
         self.suppressed = talker_logits_mask(cfg.vocab_size, cfg.codec_eos_token_id, device)
         self._true = torch.ones((), dtype=torch.bool, device=device)  # a device scalar: graph capture copies none
-        self.frame = TorchFramePath(talker, self.cache)
         if frame_path == "triton":  # imported here: Triton is only needed (and installed) where it runs
             from engine.fused_frame_path import FusedFramePath
 
             self.frame = FusedFramePath(talker, self.cache, slots)
+        else:
+            self.frame = TorchFramePath(talker, self.cache)
 
     @property
     def capacity(self) -> int:
