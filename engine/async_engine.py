@@ -99,19 +99,24 @@ class AsyncEngine:
                 started = self.last_step_started = time.monotonic()
                 batch = len(self.engine.running)
                 try:
-                    events = self.engine.step()
+                    self._publish(self.engine.step(on_audio=self._publish))
                 except Exception as error:  # a device failure: every request ends, the loop stays up
                     self._fail(f"{type(error).__name__}: {error}")
                     return
                 finally:
                     self.last_step_started = None
-                streams = {event.request_id: self._streams.get(event.request_id) for event in events}
-                for event in events:
-                    if isinstance(event, Finished):
-                        self._streams.pop(event.request_id, None)
             if self.on_step is not None:
                 self.on_step(time.monotonic() - started, batch)
-            self._loop.call_soon_threadsafe(self._dispatch, events, streams)
+
+    def _publish(self, events: list[Event]) -> None:
+        """Hand events to their streams on the event loop (called with the lock held)."""
+        if not events:
+            return
+        streams = {event.request_id: self._streams.get(event.request_id) for event in events}
+        for event in events:
+            if isinstance(event, Finished):
+                self._streams.pop(event.request_id, None)
+        self._loop.call_soon_threadsafe(self._dispatch, events, streams)
 
     @staticmethod
     def _dispatch(events: list[Event], streams: dict[int, RequestStream | None]) -> None:

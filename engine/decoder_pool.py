@@ -6,7 +6,8 @@ different times share one decoder pass and each still hears exactly its offline 
 
 With `capture=True` (CUDA), the gather-decode-scatter of each (batch bucket, chunk length) is one CUDA graph, so a
 decode call costs one launch instead of one per op of the decoder. Batches are padded onto a scratch slot, as the
-frame step's are; other chunk lengths (a final flush, a voice-clone reference) run eagerly.
+frame step's are; a chunk of another length (a final flush) is split into captured lengths by `pieces`, and only a
+voice-clone reference (once per request) runs eagerly.
 """
 from __future__ import annotations
 
@@ -45,11 +46,23 @@ class DecoderPool:
             values=[pooled(t) for t in template.values],
         )
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphed_lengths = tuple(sorted(chunk_lengths, reverse=True)) if capture else ()
         if capture:
             self._capture(slots, chunk_lengths, device)
 
     def _tensors(self, state: DecoderState) -> list[torch.Tensor]:
         return [state.position, *state.history.values(), *state.keys, *state.values]
+
+    def pieces(self, frames: int) -> list[int]:
+        """Split a chunk into lengths that have a graph (largest first), so that no regular decode runs eagerly."""
+        if not self.graphed_lengths or frames in self.graphed_lengths:
+            return [frames]
+        out = []
+        for length in self.graphed_lengths:
+            while frames >= length:
+                out.append(length)
+                frames -= length
+        return out + ([frames] if frames else [])
 
     def reset(self, slot: int) -> None:
         for tensor in self._tensors(self.state):
@@ -57,13 +70,17 @@ class DecoderPool:
 
     @torch.inference_mode()
     def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, n, 16] for the streams in `slots` -> waveform [B, n * samples_per_frame]."""
+        """codes [B, n, 16] (host) for the streams in `slots` -> waveform [B, n * samples_per_frame] (device).
+
+        The inputs go up from pinned memory, so a call queued on a side stream never waits for the host."""
         rows, frames = codes.shape[:2]
         size = next((b for b in DECODER_BUCKETS if b >= rows), None)
         graph = self.graphs.get((size, frames))
+        device = self.state.position.device
+        index, codes = (_upload(torch.tensor(slots), device), _upload(codes, device))
         if graph is None:
-            return self._decode(torch.tensor(slots, device=codes.device), codes)
-        graph.slots[:rows].copy_(torch.tensor(slots), non_blocking=True)
+            return self._decode(index, codes)
+        graph.slots[:rows].copy_(index)
         graph.slots[rows:] = self.scratch_slot
         graph.codes[:rows].copy_(codes)
         graph.graph.replay()
@@ -84,10 +101,10 @@ class DecoderPool:
     @torch.inference_mode()
     def _capture(self, slots: int, chunk_lengths: tuple[int, ...], device: torch.device) -> None:
         stream = torch.cuda.Stream()
-        pool = torch.cuda.graph_pool_handle()  # replays are sequential and each output is read at once
+        pool = torch.cuda.graph_pool_handle()  # replays run in order on one stream; each output is copied out first
         quantizers = self.decoder.cfg.num_quantizers
-        for size in [b for b in DECODER_BUCKETS if b <= slots] or [1]:
-            for frames in chunk_lengths:
+        for size, frames in [(b, n) for b in DECODER_BUCKETS if b <= slots for n in chunk_lengths]:
+            with torch.backends.cudnn.flags(enabled=True, benchmark=True):  # the fastest conv kernels, once
                 graph = _Graph(size, frames, self.scratch_slot, quantizers, device)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
@@ -95,7 +112,13 @@ class DecoderPool:
                 torch.cuda.current_stream().wait_stream(stream)
                 with torch.cuda.graph(graph.graph, pool=pool, stream=stream):
                     graph.audio = self._decode(graph.slots, graph.codes)
-                self.graphs[(size, frames)] = graph
+            self.graphs[(size, frames)] = graph
         self.stream = stream
         torch.cuda.synchronize()
         self.reset(self.scratch_slot)
+
+
+def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -3,10 +3,12 @@
 Requests join and leave the running batch every step. A step admits waiting requests (their prompts prefilled in
 one batch), runs one frame for every running request, then decodes audio: the first chunk after
 `first_chunk_frames` frames for the shortest time to first audio, larger chunks later to amortise the decoder.
+On a GPU the decoding overlaps the next step's frame (`decode_stream`).
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -15,6 +17,7 @@ import torch
 
 from engine.attention import BACKENDS
 from engine.cuda_graphs import PaddedStep
+from engine.decode_stream import DecodeStream, PendingAudio
 from engine.decoder_pool import DecoderPool
 from engine.errors import RequestError
 from engine.frame_path import FRAME_PATHS
@@ -70,6 +73,7 @@ class EngineConfig:
     attention_backend: str = "sdpa"  # "triton" reads only each request's length (GPU)
     step_mode: str = "eager"  # "eager" | "padded" (bucketed batches) | "graphs" (bucketed, CUDA graphs)
     frame_path: str = "torch"  # "torch" (the model's own code) | "triton" (fused kernels: the GPU's fast path)
+    overlap_decoding: bool | None = None  # decode beside the next frame step; None: on CUDA
     guard: RunawayGuard = field(default_factory=RunawayGuard)
 
 
@@ -85,6 +89,7 @@ class _Stream:
     pending: list[torch.Tensor] = field(default_factory=list)
     decoded_frames: int = 0
     done: str | None = None
+    cancelled: bool = False
 
 
 STEP_MODES = ("eager", "padded", "graphs")
@@ -112,6 +117,10 @@ class Engine:
         self._step = self.runner.step
         if config.step_mode != "eager":
             self._step = PaddedStep(self.runner, tts.config.tts_pad_token_id, capture=config.step_mode == "graphs")
+        overlap = config.overlap_decoding if config.overlap_decoding is not None else tts.device.type == "cuda"
+        self.decoding = DecodeStream(tts.device, overlap)
+        self._in_flight: list[PendingAudio] = []  # decoded chunks not yet delivered
+        self._finishing: list[_Stream] = []  # done streams whose Finished follows their last chunk
         self.decoders = DecoderPool(tts.decoder, shape.slots, tts.device, tts.dtype,
                                     capture=config.step_mode == "graphs", chunk_lengths=self._chunk_lengths())
         self.free_slots = list(range(shape.slots))
@@ -124,7 +133,7 @@ class Engine:
         return self.runner.cache.shape.slots
 
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self._in_flight and not self._finishing
 
     def submit(self, request: SynthesisRequest) -> int:
         """Validate and queue a request; raises RequestError (bad input) or EngineFull at once."""
@@ -149,18 +158,40 @@ class Engine:
                 self.waiting.remove(stream)
                 return True
         stream = self.running.pop(request_id, None)
+        if stream is not None:
+            self.free_slots.append(stream.slot)
+        else:
+            stream = next((s for s in self._finishing if s.request_id == request_id), None)
         if stream is None:
             return False
-        self.free_slots.append(stream.slot)
+        stream.cancelled = True  # its chunks still in flight are dropped
         return True
 
-    def step(self) -> list[Event]:
-        """Admit, run one frame for every running request, decode what is due. Returns the new events."""
+    def step(self, on_audio: Callable[[list[Event]], None] | None = None) -> list[Event]:
+        """Admit, run one frame for every running request, queue the decoding of what is due. Returns the new events.
+
+        With overlapped decoding, the audio queued in one step is collected in the next one while that step's frame
+        runs on the GPU; `on_audio`, if given, receives it then, before the frame's codes are waited for."""
         self._admit()
-        if not self.running:
-            return []
         streams = list(self.running.values())
-        codes = self._step(self._batch(streams)).cpu()  # the step's one device-to-host copy
+        codes = self._step(self._batch(streams)) if streams else None  # queued on the GPU
+        events = self._collect() if self.decoding.overlap else []
+        if on_audio is not None and events:
+            on_audio(events)
+            events = []
+        if codes is not None:
+            self._take_frames(streams, codes.cpu())  # the step's one device-to-host copy
+            self._queue_decodes(streams)
+            for stream in streams:
+                if stream.done:
+                    del self.running[stream.request_id]
+                    self.free_slots.append(stream.slot)
+                    self._finishing.append(stream)
+        if not self.decoding.overlap:
+            events += self._collect()
+        return events
+
+    def _take_frames(self, streams: list[_Stream], codes: torch.Tensor) -> None:
         eos = self.tts.config.talker.codec_eos_token_id
         for stream, frame in zip(streams, codes):
             if frame[0].item() == eos:
@@ -170,13 +201,6 @@ class Engine:
             stream.frames += 1
             if stream.frames >= stream.max_frames:
                 stream.done = "length"
-        events = self._decode(streams)
-        for stream in streams:
-            if stream.done:
-                events.append(Finished(stream.request_id, stream.done, stream.frames))
-                del self.running[stream.request_id]
-                self.free_slots.append(stream.slot)
-        return events
 
     def _admit(self) -> None:
         admitted: list[_Stream] = []
@@ -188,10 +212,11 @@ class Engine:
             return
         self.runner.prefill([s.slot for s in admitted], [s.prompt.prefill for s in admitted])
         for stream in admitted:
-            self.decoders.reset(stream.slot)
-            if stream.ref_codes is not None and stream.ref_codes.shape[0]:
-                # Voice cloning: the reference frames are the decoder's left context, never heard.
-                self.decoders.decode([stream.slot], stream.ref_codes[None].to(self.tts.device))
+            with self.decoding.context():  # after any decode still queued for the slot's previous request
+                self.decoders.reset(stream.slot)
+                if stream.ref_codes is not None and stream.ref_codes.shape[0]:
+                    # Voice cloning: the reference frames are the decoder's left context, never heard.
+                    self.decoders.decode([stream.slot], stream.ref_codes[None])
             self.running[stream.request_id] = stream
 
     def _batch(self, streams: list[_Stream]) -> StepBatch:
@@ -221,20 +246,34 @@ class Engine:
             decoded += lengths[-1]
         return tuple(sorted(set(lengths)))
 
-    def _decode(self, streams: list[_Stream]) -> list[Event]:
-        """Decode every stream whose next chunk is due, batching streams with the same chunk length."""
-        groups: dict[int, list[_Stream]] = {}
-        for stream in streams:
-            due = self._chunk_due(stream.decoded_frames)
-            if stream.pending and (len(stream.pending) >= due or stream.done):
-                groups.setdefault(len(stream.pending), []).append(stream)
-        events: list[Event] = []
+    def _queue_decodes(self, streams: list[_Stream]) -> None:
+        """Queue the decoding of every stream whose next chunk is due, batching streams with the same chunk length.
+        A chunk whose length has no decoder graph goes as pieces that have one, in order."""
+        due = [s for s in streams if s.pending and (len(s.pending) >= self._chunk_due(s.decoded_frames) or s.done)]
+        work = [(stream, self.decoders.pieces(len(stream.pending))) for stream in due]
         samples_per_frame = self.tts.decoder.samples_per_frame
-        for group in groups.values():
-            codes = torch.stack([torch.stack(s.pending) for s in group]).to(self.tts.device)
-            audio = self.decoders.decode([s.slot for s in group], codes).float().cpu().numpy()
-            for stream, samples in zip(group, audio):
-                events.append(AudioChunk(stream.request_id, stream.decoded_frames * samples_per_frame, samples))
-                stream.decoded_frames += len(stream.pending)
-                stream.pending.clear()
+        with self.decoding.context():
+            for piece in range(max((len(lengths) for _, lengths in work), default=0)):
+                groups: dict[int, list[tuple[_Stream, int]]] = {}  # length -> (stream, first frame of its piece)
+                for stream, lengths in work:
+                    if piece < len(lengths):
+                        groups.setdefault(lengths[piece], []).append((stream, sum(lengths[:piece])))
+                for length, group in groups.items():
+                    codes = torch.stack([torch.stack(s.pending[first:first + length]) for s, first in group])
+                    audio = self.decoders.decode([s.slot for s, _ in group], codes)
+                    owners = [(s, (s.decoded_frames + first) * samples_per_frame) for s, first in group]
+                    self._in_flight.append(self.decoding.to_host(owners, audio))
+        for stream in due:
+            stream.decoded_frames += len(stream.pending)
+            stream.pending.clear()
+
+    def _collect(self) -> list[Event]:
+        """The queued chunks (waiting for their decode if needed), then the Finished of streams that ended."""
+        events: list[Event] = []
+        for pending in self._in_flight:
+            for (stream, start_sample), samples in zip(pending.owners, pending.wait()):
+                if not stream.cancelled:
+                    events.append(AudioChunk(stream.request_id, start_sample, samples))
+        events += [Finished(s.request_id, s.done, s.frames) for s in self._finishing if not s.cancelled]
+        self._in_flight, self._finishing = [], []
         return events

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.engine import AudioChunk, Engine, EngineConfig, Finished, SynthesisRequest  # noqa: E402
+from engine.engine import AudioChunk, Engine, EngineConfig, SynthesisRequest  # noqa: E402
 from engine.random_checkpoint import write_random_checkpoint  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.tts import TTSModel, VoiceRequest  # noqa: E402
@@ -70,7 +70,7 @@ class Bench:
                 step_mode=self.args.step_mode or ("graphs" if gpu else "padded"),
                 attention_backend="triton" if gpu else "sdpa", frame_path=self.args.frame_path or
                 ("triton" if gpu else "torch"), max_waiting=100000, first_chunk_frames=1,
-                chunk_frames=self.args.chunk_frames))
+                chunk_frames=self.args.chunk_frames, overlap_decoding=self.args.overlap == "on"))
             print(json.dumps({"engine_ready_s": round(time.perf_counter() - started, 1)}), flush=True)
         assert self._engine.idle()
         return self._engine
@@ -130,14 +130,17 @@ class Bench:
         for seed in range(self.args.repeats):
             start = time.perf_counter()
             engine.submit(self.request(75, seed))
-            first = None
+            first = []
+
+            def seen(events: list) -> None:  # called the moment audio leaves the engine
+                if not first and any(isinstance(e, AudioChunk) for e in events):
+                    first.append(time.perf_counter() - start)
+
             while not engine.idle():
                 step_start = time.perf_counter()
-                events = engine.step()
+                seen(engine.step(on_audio=seen))
                 steps.append(time.perf_counter() - step_start)
-                if first is None and any(isinstance(e, AudioChunk) for e in events):
-                    first = time.perf_counter() - start
-            ttfa.append(first)
+            ttfa.append(first[0])
         return dict(ttfa_ms_p50=percentile(ttfa, 50) * 1e3, ttfa_ms_p95=percentile(ttfa, 95) * 1e3,
                     engine_step_ms_p50=percentile(steps, 50) * 1e3, engine_step_ms_mean=statistics.mean(steps) * 1e3)
 
@@ -197,23 +200,27 @@ class Bench:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         submitted, pending = {}, list(enumerate(arrivals))
-        first, chunks, done = {}, {}, {}
+        first, chunks = {}, {}
         samples = 0
-        while pending or not engine.idle():
-            now = time.perf_counter() - start
-            while pending and pending[0][1][0] <= now:
-                index, (at, frames) = pending.pop(0)
-                submitted[engine.submit(self.request(frames, index))] = at
-            events = engine.step()
+
+        def record(events: list) -> None:  # called the moment events leave the engine
+            nonlocal samples
             now = time.perf_counter() - start
             for event in events:
                 if isinstance(event, AudioChunk):
                     first.setdefault(event.request_id, now)
                     chunks.setdefault(event.request_id, []).append((now, event.start_sample))
                     samples += len(event.samples)
-                elif isinstance(event, Finished):
-                    done[event.request_id] = now
-            if not events and not engine.running and pending:
+
+        while pending or not engine.idle():
+            now = time.perf_counter() - start
+            while pending and pending[0][1][0] <= now:
+                index, (at, frames) = pending.pop(0)
+                submitted[engine.submit(self.request(frames, index))] = at
+            events = engine.step(on_audio=record)
+            record(events)
+            now = time.perf_counter() - start
+            if engine.idle() and pending:
                 time.sleep(max(0.0, min(pending[0][1][0] - now, 0.002)))
         wall = time.perf_counter() - start
         ttfa = [first[i] - submitted[i] for i in submitted]
@@ -238,6 +245,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--chunk-frames", type=int, default=4)
+    parser.add_argument("--overlap", choices=["on", "off"], default="on",
+                        help="decode beside the next frame step (on a GPU)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--frame-path", choices=["torch", "triton"], help="default: triton on a GPU")
     parser.add_argument("--step-mode", choices=["eager", "padded", "graphs"], help="default: graphs on a GPU")

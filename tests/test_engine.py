@@ -32,6 +32,7 @@ def requests(tts: TTSModel, greedy: bool, frames: list[int]) -> list[SynthesisRe
 def run(engine: Engine, schedule: dict[int, list[SynthesisRequest]], cancel_at: dict[int, int] | None = None):
     """Submit requests at the given steps; returns request index -> (codes, audio, finish)."""
     ids, audio, finished = {}, {}, {}
+    cancelled: set[int] = set()
     step = 0
     while step in schedule or not engine.idle() or any(s > step for s in schedule):
         for request in schedule.get(step, []):
@@ -40,8 +41,10 @@ def run(engine: Engine, schedule: dict[int, list[SynthesisRequest]], cancel_at: 
             if at == step:
                 assert engine.cancel([i for i, j in ids.items() if j == index][0])
                 finished[index] = "cancelled"
+                cancelled.add(index)
         for event in engine.step():
             index = ids[event.request_id]
+            assert index not in cancelled, "an event after the request was cancelled"
             if isinstance(event, AudioChunk):
                 chunks = audio.setdefault(index, [])
                 assert event.start_sample == sum(len(c) for c in chunks)  # contiguous, in order
@@ -59,13 +62,14 @@ def reference(tts: TTSModel, request: SynthesisRequest):
                           sampling=request.sampling, max_frames=request.max_frames)
 
 
-@pytest.mark.parametrize("greedy,mode,backend", [(True, "eager", "sdpa"), (False, "eager", "sdpa"),
-                                                 (True, "padded", "sdpa"), (False, "padded", "triton")],
-                         ids=["greedy", "seeded", "greedy-padded-buckets", "seeded-padded-triton"])
-def test_batched_engine_equals_the_single_request_path(tts, greedy, mode, backend):
+@pytest.mark.parametrize("greedy,mode,backend,overlap", [
+    (True, "eager", "sdpa", False), (False, "eager", "sdpa", False), (True, "padded", "sdpa", False),
+    (False, "padded", "triton", False), (False, "padded", "sdpa", True)],
+    ids=["greedy", "seeded", "greedy-padded-buckets", "seeded-padded-triton", "seeded-overlapped-decoding"])
+def test_batched_engine_equals_the_single_request_path(tts, greedy, mode, backend, overlap):
     reqs = requests(tts, greedy, frames=[9, 14, 5, 11, 7])
     engine = Engine(tts, EngineConfig(max_batch=3, capacity=256, first_chunk_frames=1, chunk_frames=3,
-                                      step_mode=mode, attention_backend=backend))
+                                      step_mode=mode, attention_backend=backend, overlap_decoding=overlap))
     # Joins at different steps; more requests than slots, so some wait for a slot to free up.
     results = run(engine, {0: reqs[:2], 3: reqs[2:4], 6: reqs[4:]})
     for i, request in enumerate(reqs):
@@ -105,9 +109,22 @@ def test_codes_match_frame_for_frame(tts):
     assert torch.equal(got, expected)
 
 
-def test_cancel_frees_the_slot_and_stops_events(tts):
+def test_chunks_split_into_graphed_lengths_give_the_same_audio(tts):
+    """A due chunk whose length has no decoder graph is decoded as pieces that have one (here 3 = 2 + 1)."""
+    reqs = requests(tts, False, frames=[10, 8])
+    engine = Engine(tts, EngineConfig(max_batch=2, capacity=128, chunk_frames=3))
+    engine.decoders.graphed_lengths = (2, 1)
+    assert engine.decoders.pieces(3) == [2, 1] and engine.decoders.pieces(2) == [2]
+    results = run(engine, {0: reqs[:1], 1: reqs[1:]})
+    for i, request in enumerate(reqs):
+        np.testing.assert_allclose(results[i][0], reference(tts, request).audio, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step-decoding", "overlapped-decoding"])
+def test_cancel_frees_the_slot_and_stops_events(tts, overlap):
+    """Overlapped: a chunk of the cancelled request is still being decoded when it is cancelled, and is dropped."""
     reqs = requests(tts, True, frames=[40, 40, 6])
-    engine = Engine(tts, EngineConfig(max_batch=2, capacity=128))
+    engine = Engine(tts, EngineConfig(max_batch=2, capacity=128, overlap_decoding=overlap))
     results = run(engine, {0: reqs[:2], 1: [reqs[2]]}, cancel_at={0: 4})
     assert results[0][1] == "cancelled"
     assert isinstance(results[2][1], Finished)  # the waiting request got the freed slot

@@ -1,0 +1,51 @@
+"""Codec decoding beside the frame step.
+
+On a GPU the decoder's chunks are queued on their own (higher-priority) CUDA stream right after a step's codes are
+known, and the engine launches the next frame step before it waits for them: the decoder, the largest GPU consumer
+at high batch, then runs beside the talker instead of after it. The audio is copied to pinned host memory in the
+same stream and read once its event has fired.
+
+Without overlap (or on the CPU) the same calls run in order on the current stream. Overlap on the CPU only defers
+the collection by one step, which is how the engine's bookkeeping for it is tested in CI.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PendingAudio:
+    """Decoded rows on their way to the host: row i of `audio` belongs to `owners[i]`."""
+
+    owners: list[Any]
+    audio: torch.Tensor  # [B, samples] float32 on the host, valid once `ready` has fired
+    ready: torch.cuda.Event | None
+
+    def wait(self) -> np.ndarray:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.audio.numpy()
+
+
+class DecodeStream:
+    def __init__(self, device: torch.device, overlap: bool) -> None:
+        self.overlap = overlap
+        self.cuda = torch.cuda.Stream(device, priority=-1) if overlap and device.type == "cuda" else None
+
+    def context(self):
+        """Every decoder-state operation (reset, priming, decode) runs in here, so they stay in order."""
+        return torch.cuda.stream(self.cuda) if self.cuda is not None else nullcontext()
+
+    def to_host(self, owners: list[Any], audio: torch.Tensor) -> PendingAudio:
+        """Start the copy of decoded audio to the host (call inside `context()`)."""
+        if self.cuda is None:
+            return PendingAudio(owners, audio.float().cpu(), None)
+        host = audio.float().to("cpu", non_blocking=True)  # a pinned destination: the copy is asynchronous
+        ready = torch.cuda.Event()
+        ready.record(self.cuda)
+        return PendingAudio(owners, host, ready)
