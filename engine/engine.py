@@ -171,7 +171,8 @@ class Engine:
         """Admit, run one frame for every running request, queue the decoding of what is due. Returns the new events.
 
         With overlapped decoding, the audio queued in one step is collected in the next one while that step's frame
-        runs on the GPU; `on_audio`, if given, receives it then, before the frame's codes are waited for."""
+        runs on the GPU; `on_audio`, if given, receives it then, before the frame's codes are waited for. A step that
+        queues a request's first audio waits for it instead: time to first audio is the decoder alone on the GPU."""
         self._admit()
         streams = list(self.running.values())
         codes = self._step(self._batch(streams)) if streams else None  # queued on the GPU
@@ -187,9 +188,12 @@ class Engine:
                     del self.running[stream.request_id]
                     self.free_slots.append(stream.slot)
                     self._finishing.append(stream)
-        if not self.decoding.overlap:
+        if not self.decoding.overlap or self._first_audio_queued():
             events += self._collect()
         return events
+
+    def _first_audio_queued(self) -> bool:
+        return any(start_sample == 0 for pending in self._in_flight for _, start_sample in pending.owners)
 
     def _take_frames(self, streams: list[_Stream], codes: torch.Tensor) -> None:
         eos = self.tts.config.talker.codec_eos_token_id
