@@ -84,6 +84,17 @@ class AsyncEngine:
         self._work.set()
         return stream
 
+    def append_text(self, request_id: int, text: str) -> None:
+        """More text for a streaming-text request (raises `RequestError` when it is not one, or has ended)."""
+        with self._lock:
+            self.engine.append_text(request_id, text)
+        self._work.set()
+
+    def end_text(self, request_id: int) -> None:
+        with self._lock:
+            self.engine.end_text(request_id)
+        self._work.set()
+
     def _cancel(self, request_id: int) -> bool:
         with self._lock:
             self._streams.pop(request_id, None)
@@ -91,7 +102,9 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopping:
-            if self.engine.idle():
+            with self._lock:
+                work = self.engine.has_work()
+            if not work:  # idle, or every stream waits for its text
                 self._work.wait(timeout=0.5)
                 self._work.clear()
                 continue

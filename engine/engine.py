@@ -26,6 +26,7 @@ from engine.kv_cache import CacheShape
 from engine.prompt import Prompt, Voice
 from engine.runner import ModelRunner, StepBatch
 from engine.sampling import SamplingParams
+from engine.text_stream import TextFeed
 from engine.tts import TTSModel
 
 
@@ -41,6 +42,7 @@ class SynthesisRequest:
     layout: str | None = None
     sampling: SamplingParams | None = None
     max_frames: int | None = None
+    text_complete: bool = True  # False: `text` is the first piece; more comes with append_text, then end_text
 
 
 @dataclass(frozen=True)
@@ -80,16 +82,22 @@ class EngineConfig:
 @dataclass
 class _Stream:
     request_id: int
-    prompt: Prompt
+    request: SynthesisRequest
+    prompt: Prompt | None  # streaming text: built at admission, from the first ids
     sampling: SamplingParams
     max_frames: int
-    ref_codes: torch.Tensor | None
+    feed: TextFeed | None = None  # streaming text
     slot: int = -1
     frames: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)
     decoded_frames: int = 0
     done: str | None = None
+    error: str | None = None
     cancelled: bool = False
+
+    def text_id(self) -> int | None:
+        """The text token of the next frame; None holds the stream (its text has not arrived)."""
+        return self.feed.text_id(self.frames) if self.feed is not None else self.prompt.text_id(self.frames)
 
 
 STEP_MODES = ("eager", "padded", "graphs")
@@ -133,23 +141,67 @@ class Engine:
         return self.runner.cache.shape.slots
 
     def idle(self) -> bool:
+        """No request left at all."""
         return not self.waiting and not self.running and not self._in_flight and not self._finishing
+
+    def has_work(self) -> bool:
+        """A step would do something now (streams whose text has not arrived wait for `append_text`)."""
+        return (any(self._ready(s) for s in self.waiting) or any(s.text_id() is not None for s in self.running.values())
+                or bool(self._in_flight or self._finishing))
 
     def submit(self, request: SynthesisRequest) -> int:
         """Validate and queue a request; raises RequestError (bad input) or EngineFull at once."""
         if len(self.waiting) >= self.config.max_waiting:
             raise EngineFull(f"the engine is full ({len(self.waiting)} requests waiting); try again later")
-        plan = self.tts.plan(request.text, request.voice, language=request.language, layout=request.layout,
-                             sampling=request.sampling, max_frames=request.max_frames, guard=self.config.guard)
-        length = plan.prompt.prefill.shape[0]
-        room = self.runner.capacity - length
-        if room < 1:
-            raise RequestError(f"the prompt takes {length} positions, more than the engine's "
-                               f"context of {self.runner.capacity}; shorten the text")
-        stream = _Stream(next(self._ids), plan.prompt, plan.sampling, min(plan.max_frames, room),
-                         request.voice.ref_codes)
+        if request.text_complete:
+            plan = self.tts.plan(request.text, request.voice, language=request.language, layout=request.layout,
+                                 sampling=request.sampling, max_frames=request.max_frames, guard=self.config.guard)
+            stream = _Stream(next(self._ids), request, plan.prompt, plan.sampling,
+                             min(plan.max_frames, self._room(plan.prompt)))
+        else:
+            stream = self._streaming(request)
         self.waiting.append(stream)
         return stream.request_id
+
+    def _streaming(self, request: SynthesisRequest) -> _Stream:
+        """A request whose text is still arriving; checked now, its prompt built once its first text is in."""
+        if request.layout not in (None, "streaming"):
+            raise RequestError("streaming text needs the streaming text layout")
+        if request.max_frames is not None and request.max_frames < 1:
+            raise RequestError("max_frames must be at least 1")
+        self.tts.resolve_language(request.language)
+        cfg = self.tts.config
+        feed = TextFeed(self.tts.tokenizer, cfg.tts_eos_token_id, cfg.tts_pad_token_id)
+        feed.append(request.text)
+        sampling = request.sampling or SamplingParams.from_defaults(cfg.generation)
+        return _Stream(next(self._ids), request, None, sampling, request.max_frames or self.runner.capacity, feed)
+
+    def _find(self, request_id: int) -> _Stream:
+        stream = self.running.get(request_id) or next((s for s in self.waiting if s.request_id == request_id), None)
+        if stream is None or stream.feed is None:
+            raise RequestError(f"request {request_id} is not a running request with streaming text")
+        return stream
+
+    def append_text(self, request_id: int, text: str) -> None:
+        """More text for a streaming-text request."""
+        stream = self._find(request_id)
+        if stream.feed.ended:
+            raise RequestError(f"request {request_id}: text appended after its end")
+        stream.feed.append(text)
+
+    def end_text(self, request_id: int) -> None:
+        """The text of a streaming-text request is complete: it speaks to the end, then finishes."""
+        stream = self._find(request_id)
+        stream.feed.end()
+        if stream.request.max_frames is None:
+            stream.max_frames = min(stream.max_frames, self.config.guard.limit(len(stream.feed.ids)))
+
+    def _room(self, prompt: Prompt) -> int:
+        length = prompt.prefill.shape[0]
+        if length >= self.runner.capacity:
+            raise RequestError(f"the prompt takes {length} positions, more than the engine's "
+                               f"context of {self.runner.capacity}; shorten the text")
+        return self.runner.capacity - length
 
     def cancel(self, request_id: int) -> bool:
         """Stop a request now: its slot is free for the next step and it produces no further event."""
@@ -174,7 +226,8 @@ class Engine:
         runs on the GPU; `on_audio`, if given, receives it then, before the frame's codes are waited for. A step that
         queues a request's first audio waits for it instead: time to first audio is the decoder alone on the GPU."""
         self._admit()
-        streams = list(self.running.values())
+        streams = [s for s in self.running.values() if s.text_id() is not None]
+        held = [s for s in self.running.values() if s.text_id() is None]
         codes = self._step(self._batch(streams)) if streams else None  # queued on the GPU
         events = self._collect() if self.decoding.overlap else []
         if on_audio is not None and events:
@@ -182,7 +235,8 @@ class Engine:
             events = []
         if codes is not None:
             self._take_frames(streams, codes.cpu())  # the step's one device-to-host copy
-            self._queue_decodes(streams)
+        self._queue_decodes(streams, held)
+        if codes is not None:
             for stream in streams:
                 if stream.done:
                     del self.running[stream.request_id]
@@ -207,21 +261,68 @@ class Engine:
                 stream.done = "length"
 
     def _admit(self) -> None:
+        """Prefill, in one batch, the waiting requests that have their first text, oldest first."""
         admitted: list[_Stream] = []
-        while self.waiting and self.free_slots and len(admitted) < self.config.max_prefill_batch:
-            stream = self.waiting.popleft()
+        for stream in list(self.waiting):
+            if len(admitted) >= self.config.max_prefill_batch:
+                break
+            if not self._ready(stream):
+                continue
+            if stream.prompt is None and not self._prepare(stream):
+                continue
+            if not self.free_slots:
+                break
+            self.waiting.remove(stream)
             stream.slot = self.free_slots.pop(0)
             admitted.append(stream)
         if not admitted:
             return
         self.runner.prefill([s.slot for s in admitted], [s.prompt.prefill for s in admitted])
         for stream in admitted:
+            ref_codes = stream.request.voice.ref_codes
             with self.decoding.context():  # after any decode still queued for the slot's previous request
                 self.decoders.reset(stream.slot)
-                if stream.ref_codes is not None and stream.ref_codes.shape[0]:
+                if ref_codes is not None and ref_codes.shape[0]:
                     # Voice cloning: the reference frames are the decoder's left context, never heard.
-                    self.decoders.decode([stream.slot], stream.ref_codes[None])
+                    self.decoders.decode([stream.slot], ref_codes[None])
             self.running[stream.request_id] = stream
+
+    def _ready(self, stream: _Stream) -> bool:
+        """Whether the prefill has its text: the first token, or for voice cloning enough tokens to fill the
+        reference's frames (its text track is laid over them), or the end of the input."""
+        feed = stream.feed
+        if feed is None or stream.prompt is not None or feed.ended:
+            return True
+        voice = stream.request.voice
+        if voice.ref_codes is None:
+            return len(feed.ids) >= 1
+        return len(voice.ref_text_ids) + len(feed.ids) >= voice.ref_codes.shape[0] + 1
+
+    def _prepare(self, stream: _Stream) -> bool:
+        """Build a streaming-text request's prompt from the ids in so far; a bad request fails alone."""
+        feed, request = stream.feed, stream.request
+        try:
+            if feed.ended and not feed.text.strip():
+                raise RequestError("text is empty")
+            stream.prompt = self.tts.prompt_from_ids(feed.ids, request.voice, request.language, "streaming")
+            stream.max_frames = min(stream.max_frames, self._room(stream.prompt))
+        except RequestError as error:
+            return self._fail_waiting(stream, str(error))
+        voice = request.voice
+        if voice.ref_codes is None:
+            feed.consumed = 1
+        else:  # the prefill lays reference text + text (+ tts_eos once ended) over codec bos + reference frames
+            track = len(voice.ref_text_ids) + len(feed.ids) + feed.ended
+            feed.consumed = min(voice.ref_codes.shape[0] + 1, track) - len(voice.ref_text_ids)
+            if feed.consumed < 0:
+                return self._fail_waiting(stream, "the reference transcript has more tokens than its audio has frames")
+        return True
+
+    def _fail_waiting(self, stream: _Stream, error: str) -> bool:
+        self.waiting.remove(stream)
+        stream.done, stream.error = "error", error
+        self._finishing.append(stream)
+        return False
 
     def _batch(self, streams: list[_Stream]) -> StepBatch:
         device = self.tts.device
@@ -233,7 +334,7 @@ class Engine:
             slots=column([s.slot for s in streams]),
             positions=column([s.prompt.prefill.shape[0] + s.frames for s in streams]),
             frame_index=column([s.frames for s in streams]),
-            text_ids=column([s.prompt.text_id(s.frames) for s in streams]),
+            text_ids=column([s.text_id() for s in streams]),
             sampling=BatchSampling.of([s.sampling for s in streams], device),
         )
 
@@ -250,10 +351,12 @@ class Engine:
             decoded += lengths[-1]
         return tuple(sorted(set(lengths)))
 
-    def _queue_decodes(self, streams: list[_Stream]) -> None:
-        """Queue the decoding of every stream whose next chunk is due, batching streams with the same chunk length.
-        A chunk whose length has no decoder graph goes as pieces that have one, in order."""
+    def _queue_decodes(self, streams: list[_Stream], held: list[_Stream]) -> None:
+        """Queue the decoding of every stream whose next chunk is due, batching streams with the same chunk length;
+        a held stream's frames are due at once. A chunk whose length has no decoder graph goes as pieces that have
+        one, in order."""
         due = [s for s in streams if s.pending and (len(s.pending) >= self._chunk_due(s.decoded_frames) or s.done)]
+        due += [s for s in held if s.pending]
         work = [(stream, self.decoders.pieces(len(stream.pending))) for stream in due]
         samples_per_frame = self.tts.decoder.samples_per_frame
         with self.decoding.context():
@@ -278,6 +381,6 @@ class Engine:
             for (stream, start_sample), samples in zip(pending.owners, pending.wait()):
                 if not stream.cancelled:
                     events.append(AudioChunk(stream.request_id, start_sample, samples))
-        events += [Finished(s.request_id, s.done, s.frames) for s in self._finishing if not s.cancelled]
+        events += [Finished(s.request_id, s.done, s.frames, s.error) for s in self._finishing if not s.cancelled]
         self._in_flight, self._finishing = [], []
         return events

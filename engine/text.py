@@ -50,6 +50,10 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
     return tokenizer
 
 
+ROLE_PREFIX = "<|im_start|>assistant\n"
+TEXT_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+
+
 class TextTokenizer:
     """Token ids for the three prompt pieces, sliced exactly as the reference slices its templates."""
 
@@ -61,8 +65,11 @@ class TextTokenizer:
 
     def target(self, text: str) -> tuple[list[int], list[int]]:
         """(role ids `<|im_start|>assistant\\n`, text ids) of the text to speak."""
-        ids = self.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
+        ids = self.encode(f"{ROLE_PREFIX}{text}{TEXT_SUFFIX}")
         return ids[:3], ids[3:-5]
+
+    def role_ids(self) -> list[int]:
+        return self.encode(ROLE_PREFIX)
 
     def reference_text(self, text: str) -> list[int]:
         """Text ids of a voice-clone reference transcript."""

@@ -176,15 +176,18 @@ class TTSModel:
         """The talker prompt and the number of target text tokens."""
         if not text or not text.strip():
             raise RequestError("text is empty")
+        _, text_ids = self.tokenizer.target(text)
+        return self.prompt_from_ids(text_ids, voice, language, layout), len(text_ids)
+
+    def prompt_from_ids(self, text_ids: list[int], voice: Voice, language: str, layout: str | None = None) -> Prompt:
+        """The talker prompt of tokenized text (streaming text: the ids that have arrived)."""
         layout = layout or self.default_layout()
         if layout not in TEXT_LAYOUTS:
             raise RequestError(f"unknown text layout {layout!r}; use one of {', '.join(TEXT_LAYOUTS)}")
-        role_ids, text_ids = self.tokenizer.target(text)
         instruct_ids = self.tokenizer.instruction(voice.instruct) if voice.instruct else None
         lang = self.resolve_language(language)
         with torch.inference_mode():
-            prompt = self.prompts.build(voice, role_ids, text_ids, instruct_ids, lang, layout)
-        return prompt, len(text_ids)
+            return self.prompts.build(voice, self.tokenizer.role_ids(), text_ids, instruct_ids, lang, layout)
 
     def plan(self, text: str, voice: Voice, *, language: str = "auto", layout: str | None = None,
              sampling: SamplingParams | None = None, max_frames: int | None = None,

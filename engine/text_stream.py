@@ -1,0 +1,96 @@
+"""Text that arrives in pieces (LLM tokens, partial words, sentences) as the talker's text track.
+
+`IncrementalTokenizer` gives the same ids as tokenizing the whole text at once: BPE never merges across
+pre-tokens, so an id is final once its pre-token is, and appending text can only change the last two pre-tokens (a
+word that grows, "'" that becomes "'s", trailing spaces that leave one to the next word). The cut also avoids a
+place where Unicode normalisation (NFC) could join the characters on its two sides.
+
+`TextFeed` is one request's text track in the streaming layout: one token per frame, `tts_eos` once the input has
+ended, then `tts_pad`; `None` while the next token has not arrived, which is when the engine holds the stream.
+"""
+from __future__ import annotations
+
+import unicodedata
+
+from engine.text import ROLE_PREFIX, TEXT_SUFFIX, TextTokenizer
+
+HELD_PRE_TOKENS = 2
+
+
+class IncrementalTokenizer:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer.tokenizer
+        self._pending = ROLE_PREFIX  # tokenized in context, as the whole text would be; its role ids are dropped
+        self._role_ids = len(tokenizer.role_ids())
+        self.text = ""
+
+    def append(self, text: str) -> list[int]:
+        """Add text; returns the ids that became final."""
+        self.text += text
+        self._pending += text
+        spans = [span for _, span in self.tokenizer.pre_tokenizer.pre_tokenize_str(self._pending)]
+        for start, _ in reversed(spans[1:len(spans) - HELD_PRE_TOKENS + 1]):
+            if start >= self._head() and _joinable_cut(self._pending, start):
+                return self._commit(start)
+        return []
+
+    def finish(self) -> list[int]:
+        """The end of the input: the remaining ids."""
+        ids = self.tokenizer.encode(self._pending + TEXT_SUFFIX, add_special_tokens=False).ids
+        ids = ids[: len(ids) - len(self.tokenizer.encode(TEXT_SUFFIX, add_special_tokens=False).ids)]
+        self._pending = ""
+        return self._drop_role(ids)
+
+    def _head(self) -> int:
+        return len(ROLE_PREFIX) if self._role_ids else 0
+
+    def _commit(self, cut: int) -> list[int]:
+        encoding = self.tokenizer.encode(self._pending, add_special_tokens=False)
+        ids = [i for i, (_, end) in zip(encoding.ids, encoding.offsets) if end <= cut]
+        self._pending = self._pending[cut:]
+        return self._drop_role(ids)
+
+    def _drop_role(self, ids: list[int]) -> list[int]:
+        ids, self._role_ids = ids[self._role_ids:], 0
+        return ids
+
+
+def _joinable_cut(text: str, cut: int) -> bool:
+    """Normalising the two sides apart gives what normalising them together gives (a starter that composes with
+    nothing before it)."""
+    before, after = text[cut - 1], text[cut]
+    return (unicodedata.combining(after) == 0 and
+            unicodedata.normalize("NFC", before + after) ==
+            unicodedata.normalize("NFC", before) + unicodedata.normalize("NFC", after))
+
+
+class TextFeed:
+    def __init__(self, tokenizer: TextTokenizer, eos_id: int, pad_id: int) -> None:
+        self._tokens = IncrementalTokenizer(tokenizer)
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.ids: list[int] = []
+        self.ended = False
+        self.consumed = 0  # ids the prompt's prefill took; the frames read from there on
+
+    @property
+    def text(self) -> str:
+        return self._tokens.text
+
+    def append(self, text: str) -> None:
+        if self.ended:
+            raise ValueError("text appended after the end of the input")
+        self.ids += self._tokens.append(text)
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ids += self._tokens.finish()
+            self.ended = True
+
+    def text_id(self, step: int) -> int | None:
+        """The text-track token of decode step `step`; None: not arrived yet (hold)."""
+        index = self.consumed + step
+        if index < len(self.ids):
+            return self.ids[index]
+        if not self.ended:
+            return None
+        return self.eos_id if index == len(self.ids) else self.pad_id
