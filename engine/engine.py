@@ -1,12 +1,14 @@
 """The request-level engine: submit requests, get their audio as it is produced, cancel them at any time.
 
 Requests join and leave the running batch every step. A step admits waiting requests (their prompts prefilled in
-one batch), runs one frame for every running request, then decodes audio: the first chunk after
+one batch), runs one frame for the running requests the scheduler picks (`scheduler.py`; all of them unless
+`max_step_batch` is set) whose next text token is in (`text_stream.py`), then decodes audio: the first chunk after
 `first_chunk_frames` frames for the shortest time to first audio, larger chunks later to amortise the decoder.
 On a GPU the decoding overlaps the next step's frame (`decode_stream`).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from engine.kv_cache import CacheShape
 from engine.prompt import Prompt, Voice
 from engine.runner import ModelRunner, StepBatch
 from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
 from engine.text_stream import TextFeed
 from engine.tts import TTSModel
 
@@ -76,6 +79,8 @@ class EngineConfig:
     step_mode: str = "eager"  # "eager" | "padded" (bucketed batches) | "graphs" (bucketed, CUDA graphs)
     frame_path: str = "torch"  # "torch" (the model's own code) | "triton" (fused kernels: the GPU's fast path)
     overlap_decoding: bool | None = None  # decode beside the next frame step; None: on CUDA
+    scheduling: str = "deadline"  # which streams step when more are runnable than max_step_batch (scheduler.py)
+    max_step_batch: int | None = None  # None: every runnable stream steps
     guard: RunawayGuard = field(default_factory=RunawayGuard)
 
 
@@ -94,6 +99,7 @@ class _Stream:
     done: str | None = None
     error: str | None = None
     cancelled: bool = False
+    first_audio_at: float | None = None
 
     def text_id(self) -> int | None:
         """The text token of the next frame; None holds the stream (its text has not arrived)."""
@@ -131,6 +137,7 @@ class Engine:
         self._finishing: list[_Stream] = []  # done streams whose Finished follows their last chunk
         self.decoders = DecoderPool(tts.decoder, shape.slots, tts.device, tts.dtype,
                                     capture=config.step_mode == "graphs", chunk_lengths=self._chunk_lengths())
+        self.scheduler = Scheduler(config.scheduling, config.max_step_batch)
         self.free_slots = list(range(shape.slots))
         self.waiting: deque[_Stream] = deque()
         self.running: dict[int, _Stream] = {}
@@ -220,14 +227,16 @@ class Engine:
         return True
 
     def step(self, on_audio: Callable[[list[Event]], None] | None = None) -> list[Event]:
-        """Admit, run one frame for every running request, queue the decoding of what is due. Returns the new events.
+        """Admit, run one frame for the runnable requests the scheduler picks (a request whose next text has not
+        arrived holds), queue the decoding of what is due. Returns the new events.
 
         With overlapped decoding, the audio queued in one step is collected in the next one while that step's frame
         runs on the GPU; `on_audio`, if given, receives it then, before the frame's codes are waited for. A step that
         queues a request's first audio waits for it instead: time to first audio is the decoder alone on the GPU."""
         self._admit()
-        streams = [s for s in self.running.values() if s.text_id() is not None]
         held = [s for s in self.running.values() if s.text_id() is None]
+        streams = self.scheduler.select([s for s in self.running.values() if s.text_id() is not None],
+                                        time.monotonic())
         codes = self._step(self._batch(streams)) if streams else None  # queued on the GPU
         events = self._collect() if self.decoding.overlap else []
         if on_audio is not None and events:
@@ -236,12 +245,11 @@ class Engine:
         if codes is not None:
             self._take_frames(streams, codes.cpu())  # the step's one device-to-host copy
         self._queue_decodes(streams, held)
-        if codes is not None:
-            for stream in streams:
-                if stream.done:
-                    del self.running[stream.request_id]
-                    self.free_slots.append(stream.slot)
-                    self._finishing.append(stream)
+        for stream in streams:
+            if stream.done:
+                del self.running[stream.request_id]
+                self.free_slots.append(stream.slot)
+                self._finishing.append(stream)
         if not self.decoding.overlap or self._first_audio_queued():
             events += self._collect()
         return events
@@ -257,6 +265,8 @@ class Engine:
                 continue
             stream.pending.append(frame)
             stream.frames += 1
+            if stream.first_audio_at is None:
+                stream.first_audio_at = time.monotonic()
             if stream.frames >= stream.max_frames:
                 stream.done = "length"
 
