@@ -1,0 +1,82 @@
+"""Scheduling policies: on the simulator (the real scheduler, a virtual clock, the GPU cost model) and in the
+engine, where the policy changes who steps when, never what a request sounds like."""
+import numpy as np
+import pytest
+
+from engine.engine import AudioChunk, Engine, EngineConfig, SynthesisRequest
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.simulator import Arrival, CostModel, poisson_workload, simulate, summarize
+from engine.tts import TTSModel, VoiceRequest
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
+        Scheduler("lifo")
+
+
+def test_overload_deadline_keeps_streams_smooth_where_continuous_batching_fails():
+    arrivals = poisson_workload(80, 20, seed=3)
+    everyone = summarize(simulate(arrivals, Scheduler("fcfs", None), slots=512))
+    deadline = summarize(simulate(arrivals, Scheduler("deadline", 256), slots=512))
+    assert everyone["never_underrun"] < 0.5 < 0.99 < deadline["never_underrun"]
+
+
+def test_new_requests_first_keeps_time_to_first_audio_low():
+    """Near the step limit's capacity, fcfs makes newcomers wait behind streams that are far ahead."""
+    arrivals = poisson_workload(50, 20, seed=4)
+    fcfs = summarize(simulate(arrivals, Scheduler("fcfs", 128), slots=512))
+    deadline = summarize(simulate(arrivals, Scheduler("deadline", 128), slots=512))
+    assert deadline["ttfa_ms_p95"] < 100 < 300 < fcfs["ttfa_ms_p95"]
+    assert deadline["never_underrun"] == fcfs["never_underrun"] == 1.0
+
+
+def test_simulated_stream_holds_until_its_text_arrives():
+    """Frame k reads text token k + 1 (the prefill took token 0): with 3 tokens at t=0 and the rest at t=1 s, the
+    stream makes 2 frames, waits, then finishes after 1 s."""
+    arrival = Arrival(0.0, 10, text_times=(0.0, 0.0, 0.0, 1.0, 1.0))
+    (stream,) = simulate([arrival], Scheduler(), slots=1, cost=CostModel(step_ms=10, per_stream_ms=0,
+                                                                           decode_per_frame_ms=0, prefill_ms=0,
+                                                                           prefill_per_request_ms=0))
+    assert stream.delivered[:2] == pytest.approx([0.01, 0.02])
+    assert stream.delivered[2] == pytest.approx(1.01) and len(stream.delivered) == 10
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoints) -> TTSModel:
+    return TTSModel.load(tiny_checkpoints["custom_voice"])
+
+
+def test_step_limit_order_and_the_audio_it_does_not_change(tts):
+    """One stream per step: under fcfs the newcomer waits for the first request to finish; under deadline it starts
+    once the first has half a second of audio to spare. Either way each request gets its single-request audio."""
+    voice = tts.voice(VoiceRequest(speaker="ryan"))
+
+    def request(text: str, seed: int, frames: int) -> SynthesisRequest:
+        return SynthesisRequest(text, voice, language="english", layout="streaming", max_frames=frames,
+                                sampling=SamplingParams.from_defaults(tts.config.generation, seed=seed))
+
+    first, late = request("The first request, a longer one.", 1, 60), request("A late one.", 2, 8)
+    for policy in ("fcfs", "deadline"):
+        engine = Engine(tts, EngineConfig(max_batch=2, capacity=128, scheduling=policy, max_step_batch=1))
+        ids = [engine.submit(first)]
+        audio: dict[int, list] = {}
+        first_frames_when_late_started = None
+        while not engine.idle():
+            if engine.running and len(ids) == 1:
+                ids.append(engine.submit(late))
+            for event in engine.step():
+                if isinstance(event, AudioChunk):
+                    audio.setdefault(event.request_id, []).append(event.samples)
+            late_stream = engine.running.get(ids[-1]) if len(ids) == 2 else None
+            if late_stream is not None and late_stream.frames and first_frames_when_late_started is None:
+                first_stream = engine.running.get(ids[0])
+                first_frames_when_late_started = first_stream.frames if first_stream else first.max_frames
+        if policy == "fcfs":
+            assert first_frames_when_late_started == first.max_frames
+        else:
+            assert 7 <= first_frames_when_late_started < first.max_frames  # 0.5 s ahead: 6.25 frames and the time taken
+        for request_id, req in zip(ids, (first, late)):
+            expected = tts.synthesize(req.text, voice, language="english", layout="streaming",
+                                      sampling=req.sampling, max_frames=req.max_frames).audio
+            np.testing.assert_allclose(np.concatenate(audio[request_id]), expected, atol=1e-5, rtol=0)

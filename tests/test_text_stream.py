@@ -1,0 +1,72 @@
+"""Text in pieces: the incremental tokenizer gives exactly the ids of the whole text, however it was split, and
+the text feed holds, ends and pads as the streaming layout says."""
+import random
+
+import pytest
+
+from engine.text import TextTokenizer, load_tokenizer
+from engine.text_stream import IncrementalTokenizer, TextFeed
+
+TEXTS = [
+    "Hello there, how are you today?",
+    "It's 3.14 -- isn't it?  Yes!!\n\nNew paragraph.",
+    "你好，世界！我们 123 走吧。日本語のテキストも。",
+    "cafe\u0301 naïve e\u0301\u0302 한국어 \u1112\u1161\u11ab and Ωmega",
+    "  leading and trailing spaces   ",
+    "emoji 😀👍🏽 and a URL https://example.com/a?b=1&c=2",
+    "don't 'quote' we'll they'RE I'M",
+    "\n\nstarts with newlines",
+    "tabs\tand\r\nCRLF line ends\r\n",
+    "数字12345和English混合text, 1,000,000.50 dollars",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoints) -> TextTokenizer:
+    return TextTokenizer(load_tokenizer(tiny_checkpoints["custom_voice"]))
+
+
+def split(text: str, rng: random.Random, how: str) -> list[str]:
+    if how == "whole":
+        return [text]
+    if how == "chars":
+        return list(text)
+    if how == "words":
+        return [w for w in text.replace(" ", " \0").split("\0") if w]
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, len(text) - 1)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def incremental(tokenizer: TextTokenizer, pieces: list[str]) -> list[int]:
+    stream = IncrementalTokenizer(tokenizer)
+    ids = [i for piece in pieces for i in stream.append(piece)]
+    return ids + stream.finish()
+
+
+@pytest.mark.parametrize("how", ["whole", "chars", "words", "random"])
+def test_incremental_tokenization_equals_the_whole_text(tokenizer, how):
+    rng = random.Random(how)
+    for text in TEXTS:
+        for _ in range(1 if how != "random" else 25):
+            assert incremental(tokenizer, split(text, rng, how)) == tokenizer.target(text)[1], text
+
+
+def test_ids_become_final_while_the_text_arrives(tokenizer):
+    """A word-by-word stream releases each word's ids one word later (its last two pre-tokens are held back)."""
+    stream = IncrementalTokenizer(tokenizer)
+    released = [len(stream.append(word + " ")) for word in "one two three four five six seven".split()]
+    assert released == [0, 1, 1, 1, 1, 1, 1]
+
+
+def test_feed_holds_then_ends_with_eos_and_pads(tokenizer):
+    feed = TextFeed(tokenizer, eos_id=-1, pad_id=-2)
+    feed.append("Hello there, my friend")
+    feed.consumed = 1  # the prefill took the first id
+    assert feed.text_id(0) == feed.ids[1] and feed.text_id(len(feed.ids)) is None  # not arrived: hold
+    feed.end()
+    whole = tokenizer.target("Hello there, my friend")[1]
+    assert feed.ids == whole
+    track = [feed.text_id(step) for step in range(len(whole) + 2)]
+    assert track == [*whole[1:], -1, -2, -2]
+    with pytest.raises(ValueError, match="after the end"):
+        feed.append("more")
