@@ -29,6 +29,7 @@ from engine.prompt import Prompt, Voice
 from engine.runner import ModelRunner, StepBatch
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
+from engine.text_cleanup import clean_text
 from engine.text_stream import TextFeed
 from engine.tts import TTSModel
 
@@ -46,6 +47,7 @@ class SynthesisRequest:
     sampling: SamplingParams | None = None
     max_frames: int | None = None
     text_complete: bool = True  # False: `text` is the first piece; more comes with append_text, then end_text
+    clean_text: bool = False  # LLM output: markdown and emoji are not read out (text_cleanup.py)
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,8 @@ class Engine:
         if len(self.waiting) >= self.config.max_waiting:
             raise EngineFull(f"the engine is full ({len(self.waiting)} requests waiting); try again later")
         if request.text_complete:
-            plan = self.tts.plan(request.text, request.voice, language=request.language, layout=request.layout,
+            text = clean_text(request.text) if request.clean_text else request.text
+            plan = self.tts.plan(text, request.voice, language=request.language, layout=request.layout,
                                  sampling=request.sampling, max_frames=request.max_frames, guard=self.config.guard)
             stream = _Stream(next(self._ids), request, plan.prompt, plan.sampling,
                              min(plan.max_frames, self._room(plan.prompt)))
@@ -178,7 +181,7 @@ class Engine:
             raise RequestError("max_frames must be at least 1")
         self.tts.resolve_language(request.language)
         cfg = self.tts.config
-        feed = TextFeed(self.tts.tokenizer, cfg.tts_eos_token_id, cfg.tts_pad_token_id)
+        feed = TextFeed(self.tts.tokenizer, cfg.tts_eos_token_id, cfg.tts_pad_token_id, request.clean_text)
         feed.append(request.text)
         sampling = request.sampling or SamplingParams.from_defaults(cfg.generation)
         return _Stream(next(self._ids), request, None, sampling, request.max_frames or self.runner.capacity, feed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import unicodedata
 
 from engine.text import ROLE_PREFIX, TEXT_SUFFIX, TextTokenizer
+from engine.text_cleanup import StreamingCleanup
 
 HELD_PRE_TOKENS = 2
 
@@ -65,8 +66,9 @@ def _joinable_cut(text: str, cut: int) -> bool:
 
 
 class TextFeed:
-    def __init__(self, tokenizer: TextTokenizer, eos_id: int, pad_id: int) -> None:
+    def __init__(self, tokenizer: TextTokenizer, eos_id: int, pad_id: int, cleanup: bool = False) -> None:
         self._tokens = IncrementalTokenizer(tokenizer)
+        self._cleanup = StreamingCleanup() if cleanup else None
         self.eos_id, self.pad_id = eos_id, pad_id
         self.ids: list[int] = []
         self.ended = False
@@ -74,15 +76,18 @@ class TextFeed:
 
     @property
     def text(self) -> str:
+        """The text the model reads (cleaned, when cleaning is on)."""
         return self._tokens.text
 
     def append(self, text: str) -> None:
         if self.ended:
             raise ValueError("text appended after the end of the input")
-        self.ids += self._tokens.append(text)
+        self.ids += self._tokens.append(self._cleanup.append(text) if self._cleanup else text)
 
     def end(self) -> None:
         if not self.ended:
+            if self._cleanup:
+                self.ids += self._tokens.append(self._cleanup.finish())
             self.ids += self._tokens.finish()
             self.ended = True
 

@@ -70,3 +70,32 @@ def test_feed_holds_then_ends_with_eos_and_pads(tokenizer):
     assert track == [*whole[1:], -1, -2, -2]
     with pytest.raises(ValueError, match="after the end"):
         feed.append("more")
+
+
+LLM_OUTPUT = ("# Plan for today\n\n- **First**, read [the docs](https://docs.example.com/start) 😀\n"
+              "2. Then visit https://www.example.com/path?q=1 and _relax_.\n> A `quoted` line.\n"
+              "```python\nprint(snake_case, 2*3)\n```\nDone 👍🏽 — really ✨done✨.")
+
+
+def test_cleanup_rules():
+    from engine.text_cleanup import clean_text
+
+    assert clean_text(LLM_OUTPUT) == (
+        "Plan for today\n\nFirst, read the docs \nThen visit example.com and relax.\nA quoted line.\n\n"
+        "print(snake_case, 2*3)\n\nDone — really done.")
+    assert clean_text("Plain text, 3.14 and C++ stay; so does #hashtag - here.") == \
+        "Plain text, 3.14 and C++ stay; so does #hashtag - here."
+
+
+@pytest.mark.parametrize("how", ["chars", "random"])
+def test_cleaned_feed_equals_cleaning_the_whole_text(tokenizer, how):
+    from engine.text_cleanup import clean_text
+
+    rng = random.Random(how)
+    for _ in range(10):
+        feed = TextFeed(tokenizer, eos_id=-1, pad_id=-2, cleanup=True)
+        for piece in split(LLM_OUTPUT, rng, how):
+            feed.append(piece)
+        feed.end()
+        assert feed.text == clean_text(LLM_OUTPUT)
+        assert feed.ids == tokenizer.target(clean_text(LLM_OUTPUT))[1]

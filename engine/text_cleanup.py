@@ -1,0 +1,76 @@
+"""LLM output made speakable: markdown and emoji are not read out as symbols.
+
+The rules (each applies to whitespace-separated words, so text that arrives in pieces is cleaned exactly as the
+whole text would be; `StreamingCleanup` releases text only up to its last whitespace):
+- at the start of a line: heading marks (`#` .. `######`), list markers (`-`, `*`, `+`, `1.`, `1)`), quote marks
+  (`>`) and code fences (```` ``` ```` with or without a language) are dropped; the code inside a fence is kept;
+- emphasis and code marks (`*`, `_`, `~`, `` ` ``) at the start or end of a word are dropped (`**bold**,` becomes
+  `bold,`); inside a word they stay (`snake_case`, `2*3`);
+- links `[text](url)` keep their text; a bare URL (`http://`, `https://`, `www.`) is read as its host name
+  (`https://www.example.com/a?b=1` becomes `example.com`);
+- emoji (pictographs, dingbats, flags, skin tones, variation selectors and joiners) are dropped;
+- a word that cleaning empties takes its following spaces with it (not a line break).
+"""
+from __future__ import annotations
+
+import re
+
+_LINE_MARKER = re.compile(r"#{1,6}|[-*+>]|\d{1,3}[.)]|```\w*")
+_EDGE_MARKS = re.compile(r"^[*_~`]+|[*_~`]+(?=[^\w]*$)")
+_LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
+_URL = re.compile(r"^(?:https?://|www\.)(?:www\.)?([^/\s?#:]+)\S*$")
+_EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF\u2B00-\u2BFF\uFE0E\uFE0F\u200D\u20E3\U000E0020-\U000E007F]")
+_WORDS = re.compile(r"(\s+)")
+
+
+def clean_word(word: str, line_start: bool) -> str:
+    if line_start and _LINE_MARKER.fullmatch(word):
+        return ""
+    word = _EMOJI.sub("", word)
+    word = _LINK_TARGET.sub("", word).replace("[", "").replace("]", "")
+    url = _URL.match(word)
+    if url:
+        return url.group(1)
+    return _EDGE_MARKS.sub("", word)
+
+
+class StreamingCleanup:
+    def __init__(self) -> None:
+        self._held = ""
+        self._line_start = True
+        self._dropped = False  # the last word was emptied: its following spaces go too
+
+    def append(self, text: str) -> str:
+        """Add text; returns the cleaned text up to its last whitespace."""
+        self._held += text
+        cut = max(self._held.rfind(c) for c in " \t\r\n\f\v") + 1 if self._held.strip() else 0
+        done, self._held = self._held[:cut], self._held[cut:]
+        return self._clean(done)
+
+    def finish(self) -> str:
+        done, self._held = self._held, ""
+        return self._clean(done)
+
+    def _clean(self, text: str) -> str:
+        out = []
+        for part in _WORDS.split(text):
+            if not part:
+                continue
+            if part.isspace():
+                if "\n" in part:
+                    self._line_start = True
+                    out.append(part)
+                elif not self._dropped:
+                    out.append(part)
+                continue
+            cleaned = clean_word(part, self._line_start)
+            marker = self._line_start and _LINE_MARKER.fullmatch(part) is not None
+            self._line_start = self._line_start and not cleaned and not marker  # one marker per line
+            self._dropped = not cleaned
+            out.append(cleaned)
+        return "".join(out)
+
+
+def clean_text(text: str) -> str:
+    cleanup = StreamingCleanup()
+    return cleanup.append(text) + cleanup.finish()
