@@ -1,0 +1,175 @@
+"""A context: text that keeps arriving, spoken as a sequence of utterances with one continuous audio timeline.
+
+The gateway's contexts sit on this. Text goes through an `UtterancePlanner` (buffering, utterance boundaries);
+each utterance becomes one streaming-text request of the `AsyncEngine`, run one after another so that the audio
+stays in order and sample positions keep counting across utterances. Flushes and marks are reported right after
+the last audio of the utterance they closed. With a seed, utterance k samples with seed + k, so the context's audio
+depends only on its text, its flush / mark / end points, its voice and its seed.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.engine import AudioChunk, Finished, SynthesisRequest
+from engine.errors import RequestError
+from engine.utterances import Utterance, UtterancePlanner
+
+
+@dataclass(frozen=True)
+class ContextAudio:
+    start_sample: int  # in the context's timeline
+    samples: np.ndarray
+
+
+@dataclass(frozen=True)
+class ContextMarker:
+    """A flush (name = its flush id) or a mark, after all audio of the text before it; `sample` = its position."""
+    kind: str  # "flush" | "mark"
+    name: str
+    sample: int
+
+
+@dataclass(frozen=True)
+class ContextEnd:
+    reason: str  # "done" | "error"
+    samples: int
+    error: str | None = None
+
+
+ContextEvent = ContextAudio | ContextMarker | ContextEnd
+
+
+class SpeechContext:
+    def __init__(self, engine: AsyncEngine, template: SynthesisRequest, planner: UtterancePlanner) -> None:
+        """`template` gives voice, language, sampling and clean-up; its text is ignored."""
+        self.engine = engine
+        self.template = template
+        self.planner = planner
+        self.samples = 0
+        self._events: asyncio.Queue[ContextEvent] = asyncio.Queue()
+        self._markers: dict[int, list[tuple[str, str]]] = {}  # utterance index -> markers after its audio
+        self._ended = False
+        self._flushes = 0
+        self._wake = asyncio.Event()
+        self._stream: RequestStream | None = None
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # utterance index -> its buffering deadline
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def append(self, text: str) -> None:
+        if self._ended:
+            raise RequestError("text appended after the context ended")
+        loop = asyncio.get_running_loop()
+        self.planner.append(text, loop.time())
+        waiting = self.planner.open
+        if waiting is not None and not waiting.started and waiting.index not in self._timers:
+            # a hair late, so that the planner's clock has passed the delay when the timer wakes it
+            self._timers[waiting.index] = loop.call_later(self.planner.max_buffer_delay_s + 0.002, self._wake.set)
+        self._wake.set()
+
+    def flush(self) -> str:
+        """Close the open utterance; returns the flush id, reported once its audio has gone out."""
+        self._flushes += 1
+        self._close_with(("flush", str(self._flushes)))
+        return str(self._flushes)
+
+    def mark(self, name: str) -> None:
+        self._close_with(("mark", name))
+
+    def end(self) -> None:
+        """No more text: finish speaking, then `ContextEnd`."""
+        self.planner.close()
+        self._ended = True
+        self._wake.set()
+
+    def cancel(self) -> None:
+        """Stop now; nothing more is delivered."""
+        self._ended = True
+        if self._stream is not None:
+            self._stream.cancel()
+        self._task.cancel()
+        for timer in self._timers.values():
+            timer.cancel()
+
+    async def events(self) -> AsyncIterator[ContextEvent]:
+        while True:
+            event = await self._events.get()
+            yield event
+            if isinstance(event, ContextEnd):
+                return
+
+    def _close_with(self, marker: tuple[str, str]) -> None:
+        closed = self.planner.close()
+        index = closed.index if closed is not None else len(self.planner.utterances) - 1
+        self._markers.setdefault(index, []).append(marker)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        try:
+            index = 0
+            while True:
+                utterance = await self._next_started(index)
+                if utterance is None:
+                    break
+                if utterance.text.strip():
+                    await self._speak(utterance)
+                index += 1
+            self._emit_markers(index - 1)
+            error = None if self.samples else "text is empty"
+            self._events.put_nowait(ContextEnd("error" if error else "done", self.samples, error))
+        except (RequestError, RuntimeError) as failure:  # a refused request, a failed engine
+            self._events.put_nowait(ContextEnd("error", self.samples, str(failure)))
+
+    async def _next_started(self, index: int) -> Utterance | None:
+        """Wait until utterance `index` starts speaking (reporting the markers of the one before it meanwhile);
+        None once the context has ended without it."""
+        while True:
+            self._emit_markers(index - 1)
+            utterances = self.planner.utterances
+            if index < len(utterances):
+                self.planner.start_due(asyncio.get_running_loop().time())
+                if utterances[index].started:
+                    return utterances[index]
+            elif self._ended:
+                return None
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _speak(self, utterance: Utterance) -> None:
+        seed = self.template.sampling.seed if self.template.sampling else None
+        sampling = (replace(self.template.sampling, seed=seed + utterance.index) if seed is not None
+                    else self.template.sampling)
+        sent = len(utterance.text)
+        self._stream = stream = self.engine.submit(
+            replace(self.template, text=utterance.text, sampling=sampling, text_complete=False))
+        feeder = asyncio.get_running_loop().create_task(self._feed(utterance, stream.request_id, sent))
+        try:
+            start = self.samples
+            async for event in stream:
+                if isinstance(event, AudioChunk):
+                    self._events.put_nowait(ContextAudio(start + event.start_sample, event.samples))
+                    self.samples = max(self.samples, start + event.start_sample + len(event.samples))
+                elif isinstance(event, Finished) and event.reason == "error":
+                    raise RequestError(event.error or "synthesis failed")
+        finally:
+            feeder.cancel()
+
+    async def _feed(self, utterance: Utterance, request_id: int, sent: int) -> None:
+        """Forward the utterance's later text to its request, and its end once it closes."""
+        while True:
+            if len(utterance.text) > sent:
+                self.engine.append_text(request_id, utterance.text[sent:])
+                sent = len(utterance.text)
+            if utterance.closed:
+                self.engine.end_text(request_id)
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _emit_markers(self, index: int) -> None:
+        for kind, name in self._markers.pop(index, []):
+            self._events.put_nowait(ContextMarker(kind, name, self.samples))

@@ -1,0 +1,103 @@
+"""A context's text as utterances, and when buffered text starts speaking (PROTOCOL.md "When buffered text speaks"
+and "Utterances").
+
+An utterance is one engine request with streaming text: the model is told its text is complete (`tts_eos`) only
+when the utterance closes. A flush, a mark and the end of the context close it; so does the planner itself at the
+first sentence end past `max_utterance_chars`, which bounds the KV cache and the speaking-rate drift of long inputs.
+Where utterances split depends only on the text and the client's flush / mark / end, never on timing or on how the
+text was cut into appends, so a seeded context sounds the same however its text arrived.
+
+Buffering decides only *when* an utterance's text starts going to the engine: `none` at once, `sentence` at a
+sentence end, `auto` at a clause boundary or `max_buffer_delay_s` after its first text, whichever comes first;
+closing an utterance always starts it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CLAUSE_ENDS = frozenset(".,;:!?\n。，；：！？、")
+SENTENCE_ENDS = frozenset(".!?\n。！？")
+FULL_WIDTH_SENTENCE_ENDS = frozenset("。！？\n")  # end a sentence without a following space
+BUFFERING = ("auto", "none", "sentence")
+
+
+@dataclass
+class Utterance:
+    index: int
+    text: str = ""
+    closed: bool = False
+    started: bool = False  # its text goes to the engine from now on
+    first_text_at: float | None = None
+
+
+class UtterancePlanner:
+    def __init__(self, buffering: str = "auto", max_buffer_delay_s: float = 0.15,
+                 max_utterance_chars: int = 600) -> None:
+        if buffering not in BUFFERING:
+            raise ValueError(f"text buffering must be one of {', '.join(BUFFERING)}")
+        self.buffering = buffering
+        self.max_buffer_delay_s = max_buffer_delay_s
+        self.max_utterance_chars = max_utterance_chars
+        self.utterances: list[Utterance] = []
+
+    @property
+    def open(self) -> Utterance | None:
+        return self.utterances[-1] if self.utterances and not self.utterances[-1].closed else None
+
+    def append(self, text: str, now: float) -> None:
+        """Text for the context: into the open utterance (a new one if none is open), closed at a sentence end once
+        it is long."""
+        while text:
+            utterance = self.open or self._new()
+            if utterance.first_text_at is None:
+                utterance.first_text_at = now
+            cut = self._long_sentence_end(utterance.text, text)
+            if cut is None:
+                utterance.text += text
+                return
+            utterance.text += text[:cut]
+            text = text[cut:]
+            self.close()
+
+    def close(self) -> Utterance | None:
+        """Flush, mark or end: the open utterance is complete and starts speaking (None if none was open)."""
+        utterance = self.open
+        if utterance is not None:
+            utterance.closed = utterance.started = True
+        return utterance
+
+    def start_due(self, now: float) -> Utterance | None:
+        """The open utterance, if its buffered text should start speaking now (it stays started)."""
+        utterance = self.open
+        if utterance is None or utterance.started or not utterance.text.strip():
+            return None
+        if (self.buffering == "none" or (self.buffering == "sentence" and _has_sentence_end(utterance.text)) or
+                (self.buffering == "auto" and (any(c in CLAUSE_ENDS for c in utterance.text) or
+                                               now - utterance.first_text_at >= self.max_buffer_delay_s))):
+            utterance.started = True
+            return utterance
+        return None
+
+    def _new(self) -> Utterance:
+        self.utterances.append(Utterance(len(self.utterances)))
+        return self.utterances[-1]
+
+    def _long_sentence_end(self, before: str, text: str) -> int | None:
+        """Where `text` should be cut to close a long utterance: just after the first sentence end (and the space
+        after it) past the length limit; None if there is none yet."""
+        whole = before + text
+        for i in range(max(len(before), self.max_utterance_chars), len(whole)):
+            if _sentence_ends_at(whole, i):
+                return i + 1 - len(before)
+        return None
+
+
+def _sentence_ends_at(text: str, i: int) -> bool:
+    """The sentence ends at text[i]: a full-width end or newline, or whitespace after `.`, `!`, `?`."""
+    if text[i] in FULL_WIDTH_SENTENCE_ENDS:
+        return True
+    return text[i].isspace() and i > 0 and text[i - 1] in SENTENCE_ENDS
+
+
+def _has_sentence_end(text: str) -> bool:
+    return any(_sentence_ends_at(text, i) for i in range(len(text))) or text.rstrip()[-1:] in SENTENCE_ENDS

@@ -1,0 +1,123 @@
+"""Utterances and buffering (PROTOCOL.md "When buffered text speaks", "Utterances"): where a context's text splits
+into utterances depends only on the text and its flush / mark / end points; a context's audio is its utterances'
+audio, one after the other, however the text arrived."""
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine, EngineConfig, SynthesisRequest
+from engine.sampling import SamplingParams
+from engine.speech_context import ContextAudio, ContextEnd, ContextMarker, SpeechContext
+from engine.tts import TTSModel, VoiceRequest
+from engine.utterances import UtterancePlanner
+
+LONG = "First sentence here. Second one is longer, with a clause! Is 3.14 a number? 最后一句。Tail"
+
+
+def plan(pieces: list[str], max_chars: int) -> list[str]:
+    planner = UtterancePlanner(max_utterance_chars=max_chars)
+    for piece in pieces:
+        planner.append(piece, now=0.0)
+    planner.close()
+    return [u.text for u in planner.utterances]
+
+
+def random_pieces(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, len(text) - 1)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def test_long_text_closes_at_the_first_sentence_end_past_the_limit_however_split():
+    whole = plan([LONG], max_chars=10)
+    assert whole == ["First sentence here. ", "Second one is longer, with a clause! ", "Is 3.14 a number? ",
+                     "最后一句。Tail"]  # the last is never past 10 characters at a sentence end
+    rng = random.Random(0)
+    for _ in range(50):
+        assert plan(random_pieces(LONG, rng), max_chars=10) == whole
+    assert plan([LONG], max_chars=1000) == [LONG]
+
+
+@pytest.mark.parametrize("mode,text,due_at_once", [
+    ("none", "Hello", True), ("auto", "Hello", False), ("auto", "Hello,", True), ("auto", "你好，", True),
+    ("sentence", "Hello, there", False), ("sentence", "Hello there. And", True)])
+def test_when_buffered_text_starts_speaking(mode, text, due_at_once):
+    planner = UtterancePlanner(buffering=mode, max_buffer_delay_s=0.15)
+    planner.append(text, now=10.0)
+    assert (planner.start_due(10.0) is not None) == due_at_once
+    if mode == "auto" and not due_at_once:
+        assert planner.start_due(10.1) is None and planner.start_due(10.15) is not None
+    if mode == "sentence" and not due_at_once:
+        assert planner.start_due(99.0) is None  # no delay rule: only a sentence end, flush or end
+        assert planner.close().started
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoints) -> TTSModel:
+    return TTSModel.load(tiny_checkpoints["custom_voice"])
+
+
+def context_run(tts: TTSModel, script: list[tuple[str, str]], seed: int = 5, buffering: str = "auto"):
+    """Drive a context with (action, argument) steps, a few ms apart; returns its events."""
+    async def main():
+        runner = AsyncEngine(Engine(tts, EngineConfig(max_batch=2, capacity=256)))
+        runner.start()
+        try:
+            template = SynthesisRequest("", tts.voice(VoiceRequest(speaker="ryan")), language="english",
+                                        sampling=SamplingParams.from_defaults(tts.config.generation, seed=seed),
+                                        max_frames=30)
+            context = SpeechContext(runner, template, UtterancePlanner(buffering=buffering))
+            for action, argument in script:
+                getattr(context, action)(*([argument] if argument is not None else []))
+                await asyncio.sleep(0.003)
+            return [event async for event in context.events()]
+        finally:
+            await runner.stop()
+
+    return asyncio.run(main())
+
+
+def audio_of(events) -> np.ndarray:
+    chunks = [e for e in events if isinstance(e, ContextAudio)]
+    position = 0
+    for chunk in chunks:
+        assert chunk.start_sample == position  # one continuous timeline
+        position += len(chunk.samples)
+    return np.concatenate([c.samples for c in chunks])
+
+
+def test_context_audio_is_its_utterances_in_order_with_markers_after_them(tts):
+    first, second = "Good morning, everyone. ", "See you soon."
+    events = context_run(tts, [("append", "Good mor"), ("append", "ning, every"), ("append", "one. "),
+                               ("flush", None), ("append", "See you "), ("mark", "m1"), ("append", "soon."),
+                               ("end", None)])
+    voice = tts.voice(VoiceRequest(speaker="ryan"))
+    expected = [tts.synthesize(text, voice, language="english", layout="streaming", max_frames=30,
+                               sampling=SamplingParams.from_defaults(tts.config.generation, seed=5 + k)).audio
+                for k, text in enumerate([first, "See you ", "soon."])]
+    np.testing.assert_allclose(audio_of(events), np.concatenate(expected), atol=1e-5, rtol=0)
+    markers = [e for e in events if isinstance(e, ContextMarker)]
+    assert [(m.kind, m.name, m.sample) for m in markers] == [
+        ("flush", "1", len(expected[0])), ("mark", "m1", len(expected[0]) + len(expected[1]))]
+    end = events[-1]
+    assert isinstance(end, ContextEnd) and end.reason == "done" and end.samples == sum(map(len, expected))
+    # each marker comes right after the last audio of the utterance it closed
+    order = [type(e).__name__ for e in events]
+    assert order.index("ContextMarker") > max(i for i, e in enumerate(events)
+                                             if isinstance(e, ContextAudio) and e.start_sample < len(expected[0]))
+
+
+def test_same_text_split_differently_sounds_the_same(tts):
+    text = "Split this text any way you like, it sounds the same."
+    rng = random.Random(3)
+    a = audio_of(context_run(tts, [("append", p) for p in random_pieces(text, rng)] + [("end", None)]))
+    b = audio_of(context_run(tts, [("append", text), ("end", None)], buffering="none"))
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_a_context_without_speakable_text_ends_with_an_error(tts):
+    events = context_run(tts, [("append", "   "), ("flush", None), ("end", None)])
+    assert isinstance(events[0], ContextMarker) and events[0].kind == "flush"
+    assert events[-1] == ContextEnd("error", 0, "text is empty")
