@@ -154,9 +154,10 @@ class Engine:
         return not self.waiting and not self.running and not self._in_flight and not self._finishing
 
     def has_work(self) -> bool:
-        """A step would do something now (streams whose text has not arrived wait for `append_text`)."""
-        return (any(self._ready(s) for s in self.waiting) or any(s.text_id() is not None for s in self.running.values())
-                or bool(self._in_flight or self._finishing))
+        """A step would do something now: streams whose text has not arrived wait for `append_text`, once the frames
+        they made before holding are on their way to the decoder."""
+        return (any(self._ready(s) for s in self.waiting) or bool(self._in_flight or self._finishing)
+                or any(s.text_id() is not None or s.pending for s in self.running.values()))
 
     def submit(self, request: SynthesisRequest) -> int:
         """Validate and queue a request; raises RequestError (bad input) or EngineFull at once."""

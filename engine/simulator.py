@@ -126,11 +126,11 @@ def poisson_workload(rate: float, duration: float, seed: int, streaming_text: bo
         frames = round(min(12.0, max(2.0, rng.gauss(6.0, 2.5))) / FRAME_SECONDS)
         times: tuple[float, ...] = ()
         if streaming_text:
-            times = _llm_token_times(rng, t, math.ceil(frames / 3), rng.uniform(*tokens_per_second))
+            times = llm_token_times(rng, t, math.ceil(frames / 3), rng.uniform(*tokens_per_second))
         arrivals.append(Arrival(t, frames, times))
 
 
-def _llm_token_times(rng: random.Random, start: float, tokens: int, rate: float) -> tuple[float, ...]:
+def llm_token_times(rng: random.Random, start: float, tokens: int, rate: float) -> tuple[float, ...]:
     times, clock = [], start + rng.uniform(0.1, 0.3)
     while len(times) < tokens:
         piece = min(rng.randint(1, 4), tokens - len(times))

@@ -2,8 +2,10 @@
 
 Parts (all by default): `check` (bf16 agreement with the single-request path), `single` (time to first audio and the
 frame step at batch 1), `scaling` (frame-step time by batch size), `offline` (throughput at large batch), `load`
-(Poisson arrivals: TTFA percentiles and streams that never underrun in a simulated player). Usage:
+(Poisson arrivals: TTFA percentiles and streams that never underrun in a simulated player), `streaming` (concurrent
+sessions whose text arrives like an LLM's, through the real utterance planner and streaming-text requests). Usage:
     python scripts/bench_engine.py --size 1b7 --parts check,single,scaling,offline,load --rates 10,20,40
+    python scripts/bench_engine.py --size 1b7 --parts streaming --sessions 10,40 --token-rates 20-80,5-10
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.engine import AudioChunk, Engine, EngineConfig, SynthesisRequest  # noqa: E402
 from engine.random_checkpoint import write_random_checkpoint  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.simulator import llm_token_times  # noqa: E402
 from engine.tts import TTSModel, VoiceRequest  # noqa: E402
+from engine.utterances import UtterancePlanner  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while music plays softly in the old town hall tonight "
          "and everyone listens to the story about rivers mountains and distant cities").split()
@@ -35,6 +40,13 @@ FRAME_S = 0.08
 def text_of(seconds: float, rng: random.Random) -> str:
     """About 2.5 words per second of speech."""
     return " ".join(rng.choice(WORDS) for _ in range(max(2, round(2.5 * seconds)))) + "."
+
+
+def llm_tokens(seconds: float, rng: random.Random) -> list[str]:
+    """An LLM's answer for `seconds` of speech as its tokens: words with their leading space, a comma every few."""
+    words = text_of(seconds, rng)[:-1].split()
+    tokens = [(" " if i else "") + word + ("," if i % 7 == 6 else "") for i, word in enumerate(words)]
+    return tokens[:-1] + [tokens[-1] + "."]
 
 
 def synchronize() -> None:
@@ -232,6 +244,123 @@ class Bench:
                     never_underrun=smooth / len(submitted), audio_s_per_wall_s=samples / SAMPLE_RATE / wall,
                     gpu_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None)
 
+    def streaming(self) -> list[dict]:
+        return [self.streaming_sessions(sessions, rate, buffering) for rate in self.args.token_rates
+                for sessions in self.args.sessions for buffering in self.args.buffering]
+
+    def streaming_sessions(self, sessions: int, token_rate: tuple[float, float], buffering: str) -> dict:
+        """`sessions` clients, each asking for one answer after another (a pause of 0.2-1 s between), whose text
+        arrives like an LLM's (first token after 100-300 ms, then `token_rate` tokens/s in pieces of 1-4) for
+        `duration` s. Latency runs from the first text token to the first audio out of the engine; a stream
+        underruns when a chunk leaves after its playback time (playback from its first audio); a hold lasts from
+        the first step that skips a stream for lack of text to the next step that runs it."""
+        engine = self.engine()
+        clients = [StreamingSession(self, random.Random(1000 * sessions + i), token_rate, buffering)
+                   for i in range(sessions)]
+        contexts: list[dict] = []
+        by_request: dict[int, tuple[StreamingSession, dict]] = {}
+        start = time.perf_counter()
+
+        def record(events: list) -> None:
+            now = time.perf_counter() - start
+            for event in events:
+                client, context = by_request[event.request_id]
+                if isinstance(event, AudioChunk):
+                    context["chunks"].append((now, event.start_sample))
+                elif client.context is context:
+                    client.finished(now)
+
+        while True:
+            now = time.perf_counter() - start
+            if now >= self.args.duration and engine.idle():
+                break
+            for client in clients:
+                if client.context is not None or now < self.args.duration:
+                    client.tick(engine, now, contexts, seed=len(contexts))
+                    if client.context is not None and client.context["request_id"] is not None:
+                        by_request[client.context["request_id"]] = (client, client.context)
+            self._note_holds(engine, by_request, now)
+            if engine.has_work():
+                record(engine.step(on_audio=record))
+            else:
+                wake = min([c.next_event() for c in clients] + [self.args.duration])
+                time.sleep(max(0.0, min(wake - now, 0.002)))
+        done = [c for c in contexts if c["chunks"]]
+        latency = [c["chunks"][0][0] - c["times"][0] for c in done]
+        ttfa = [c["chunks"][0][0] - c["started_at"] for c in done]
+        smooth = sum(all(arrived <= c["chunks"][0][0] + sample / SAMPLE_RATE + 1e-9 for arrived, sample in c["chunks"])
+                     for c in done)
+        holds = [h for c in done for h in c["holds"]]
+        return dict(sessions=sessions, tokens_per_s=list(token_rate), buffering=buffering, streams=len(done),
+                    first_token_to_audio_ms_p50=percentile(latency, 50) * 1e3,
+                    first_token_to_audio_ms_p95=percentile(latency, 95) * 1e3,
+                    ttfa_from_start_ms_p50=percentile(ttfa, 50) * 1e3, ttfa_from_start_ms_p95=percentile(ttfa, 95) * 1e3,
+                    never_underrun=smooth / max(1, len(done)), holds_per_stream=len(holds) / max(1, len(done)),
+                    hold_ms_p50=percentile(holds, 50) * 1e3, hold_ms_p95=percentile(holds, 95) * 1e3,
+                    hold_ms_max=max(holds, default=0.0) * 1e3)
+
+    @staticmethod
+    def _note_holds(engine: Engine, by_request: dict, now: float) -> None:
+        for stream in engine.running.values():
+            context = by_request[stream.request_id][1]
+            if stream.text_id() is None and stream.frames < stream.max_frames:
+                context["held_since"] = context["held_since"] if context["held_since"] is not None else now
+            elif context["held_since"] is not None:
+                context["holds"].append(now - context["held_since"])
+                context["held_since"] = None
+
+
+class StreamingSession:
+    """One client session: contexts one after another, each an LLM answer streamed token by token into the utterance
+    planner (buffering `auto` or `none`), its started text forwarded to one streaming-text request."""
+
+    def __init__(self, bench: Bench, rng: random.Random, token_rate: tuple[float, float], buffering: str) -> None:
+        self.bench, self.rng, self.token_rate, self.buffering = bench, rng, token_rate, buffering
+        self.next_start = rng.uniform(0.0, 1.0)
+        self.context: dict | None = None
+
+    def tick(self, engine: Engine, now: float, contexts: list[dict], seed: int) -> None:
+        """Start a context when due, and hand the text that has arrived to the planner and the engine."""
+        if self.context is None and now >= self.next_start:
+            frames = round(min(12.0, max(2.0, self.rng.gauss(6.0, 2.5))) / FRAME_S)
+            tokens = llm_tokens(frames * FRAME_S, self.rng)
+            times = llm_token_times(self.rng, now, len(tokens), self.rng.uniform(*self.token_rate))
+            self.context = dict(frames=frames, seed=seed, tokens=tokens, times=times, given=0, request_id=None,
+                                planner=UtterancePlanner(self.buffering), chunks=[], holds=[], held_since=None)
+            contexts.append(self.context)
+        context = self.context
+        if context is None:
+            return
+        planner: UtterancePlanner = context["planner"]
+        while context["given"] < len(context["tokens"]) and context["times"][context["given"]] <= now:
+            planner.append(context["tokens"][context["given"]], now)
+            context["given"] += 1
+        if context["given"] == len(context["tokens"]):
+            planner.close()
+        utterance = planner.utterances[0] if planner.utterances else None
+        if context["request_id"] is None and utterance is not None and (planner.start_due(now) or utterance.started):
+            request = replace(self.bench.request(context["frames"], context["seed"], utterance.text),
+                              text_complete=False)
+            context["request_id"] = engine.submit(request)
+            context["started_at"], context["sent"] = now, len(utterance.text)
+        elif context["request_id"] is not None and len(utterance.text) > context["sent"]:
+            engine.append_text(context["request_id"], utterance.text[context["sent"]:])
+            context["sent"] = len(utterance.text)
+        if context["request_id"] is not None and utterance.closed and not context.get("ended"):
+            engine.end_text(context["request_id"])
+            context["ended"] = True
+
+    def finished(self, now: float) -> None:
+        self.context["finished_at"] = now
+        self.context = None
+        self.next_start = now + self.rng.uniform(0.2, 1.0)  # the user listens, then asks again
+
+    def next_event(self) -> float:
+        if self.context is None:
+            return self.next_start
+        given = self.context["given"]
+        return self.context["times"][given] if given < len(self.context["times"]) else float("inf")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -242,6 +371,11 @@ def main() -> None:
     parser.add_argument("--offline-requests", type=int, default=256)
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[10.0, 20.0, 40.0])
     parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[10, 40])
+    parser.add_argument("--token-rates", default=[(20.0, 80.0), (5.0, 10.0)],
+                        type=lambda s: [tuple(float(x) for x in r.split("-")) for r in s.split(",")],
+                        help="LLM text rates in tokens/s, each a range LOW-HIGH drawn per answer")
+    parser.add_argument("--buffering", type=lambda s: s.split(","), default=["auto"])
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--chunk-frames", type=int, default=4)
@@ -259,7 +393,7 @@ def main() -> None:
     result = dict(size=args.size, device=args.device, gpu=gpu, torch=torch.__version__)
     for part in args.parts.split(","):
         started = time.perf_counter()
-        result[part] = ([bench.load(rate) for rate in args.rates] if part == "load" else getattr(bench, part)())
+        result[part] = [bench.load(rate) for rate in args.rates] if part == "load" else getattr(bench, part)()
         print(json.dumps({part: result[part], "part_s": round(time.perf_counter() - started, 1)}), flush=True)
     print("RESULT " + json.dumps(result))
 
