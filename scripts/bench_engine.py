@@ -288,14 +288,17 @@ class Bench:
         done = [c for c in contexts if c["chunks"]]
         latency = [c["chunks"][0][0] - c["times"][0] for c in done]
         ttfa = [c["chunks"][0][0] - c["started_at"] for c in done]
-        smooth = sum(all(arrived <= c["chunks"][0][0] + sample / SAMPLE_RATE + 1e-9 for arrived, sample in c["chunks"])
-                     for c in done)
+        # per stream: (how late its latest chunk was in ms, at which frame of how many)
+        worst = [max((arrived - c["chunks"][0][0] - sample / SAMPLE_RATE, round(sample / SAMPLE_RATE / FRAME_S), c["frames"])
+                     for arrived, sample in c["chunks"]) for c in done]
+        late = [(round(seconds * 1e3, 1), frame, frames) for seconds, frame, frames in worst if seconds > 1e-9]
         holds = [h for c in done for h in c["holds"]]
         return dict(sessions=sessions, tokens_per_s=list(token_rate), buffering=buffering, streams=len(done),
                     first_token_to_audio_ms_p50=percentile(latency, 50) * 1e3,
                     first_token_to_audio_ms_p95=percentile(latency, 95) * 1e3,
                     ttfa_from_start_ms_p50=percentile(ttfa, 50) * 1e3, ttfa_from_start_ms_p95=percentile(ttfa, 95) * 1e3,
-                    never_underrun=smooth / max(1, len(done)), holds_per_stream=len(holds) / max(1, len(done)),
+                    never_underrun=1 - len(late) / max(1, len(done)), underruns_late_ms_at_frame_of=late[:20],
+                    holds_per_stream=len(holds) / max(1, len(done)),
                     hold_ms_p50=percentile(holds, 50) * 1e3, hold_ms_p95=percentile(holds, 95) * 1e3,
                     hold_ms_max=max(holds, default=0.0) * 1e3)
 
