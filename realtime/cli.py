@@ -1,4 +1,5 @@
-"""The `voxgate` command: `synth` (one utterance to a WAV file) and `make-checkpoint` (random checkpoints)."""
+"""The `voxgate` command: `serve` (the realtime gateway), `synth` (one utterance to a WAV file) and
+`make-checkpoint` (random checkpoints)."""
 from __future__ import annotations
 
 import argparse
@@ -69,6 +70,52 @@ def run_synth(args: argparse.Namespace) -> None:
           f"in {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from realtime.gateway import Limits
+
+    d = Limits()
+    p = sub.add_parser("serve", help="run the realtime gateway (WebSocket voxgate.v1 and HTTP)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable; none: open)")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions)
+    p.add_argument("--max-contexts", type=int, default=d.max_contexts, help="open contexts per session")
+    p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="text per context")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    p.add_argument("--max-message-rate", type=float, default=d.max_message_rate, help="messages/s per session")
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, help="seconds")
+    p.add_argument("--send-queue-ms", type=int, default=d.send_queue_ms,
+                   help="audio queued per session before its synthesis pauses")
+    p.add_argument("--clone-voice", action="append", default=[], metavar="NAME=WAV[:TRANSCRIPT]",
+                   help="a voice cloned from a reference audio (Base models; repeatable)")
+    p.add_argument("--allowed-origin", action="append", default=[], help="browser Origin allowed (none: any)")
+    p.add_argument("--max-batch", type=int, help="engine slots (default: 64 on a GPU, 8 on the CPU)")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from realtime.gateway import GatewayOptions, Limits
+    from realtime.server import serve
+    from realtime.voices import CloneVoice
+
+    for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms"):
+        if getattr(args, name) < 1:
+            raise VoxgateError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.idle_timeout <= 0 or args.max_message_rate <= 0:
+        raise VoxgateError("--idle-timeout and --max-message-rate must be positive")
+    try:
+        clones = tuple(CloneVoice.parse(spec) for spec in args.clone_voice)
+    except ValueError as failure:
+        raise VoxgateError(str(failure)) from None
+    limits = Limits(args.max_sessions, args.max_contexts, args.max_text_chars, args.max_message_bytes,
+                    args.idle_timeout, args.send_queue_ms, args.max_message_rate, tuple(args.api_key),
+                    tuple(args.allowed_origin))
+    serve(GatewayOptions(args.model, args.device, clones, limits, args.max_batch), args.host, args.port)
+
+
 def run_make_checkpoint(args: argparse.Namespace) -> None:
     from engine.random_checkpoint import write_random_checkpoint
 
@@ -79,6 +126,7 @@ def run_make_checkpoint(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voxgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
     _synth_parser(sub)
     _checkpoint_parser(sub)
     args = parser.parse_args(argv)

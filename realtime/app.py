@@ -1,0 +1,131 @@
+"""The starlette application: thin routes over the gateway (`gateway.py`), the socket session (`session.py`) and the
+speech endpoint (`speech_http.py`)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from realtime.gateway import Gateway
+from realtime.protocol import (CLOSE_OVERLOADED, CLOSE_POLICY, CLOSE_UNAUTHORIZED, ProtocolError, SessionConfig,
+                               configure, error_event, query_fields)
+from realtime.session import Session
+from realtime.speech_http import HTTPError, parse_speech_request, pcm_bytes, sse_events, start_speech, whole_file
+
+
+def create_app(gateway: Gateway) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        loading = asyncio.create_task(gateway.start())
+        yield
+        loading.cancel()
+        await drain_sessions(gateway)
+        await gateway.stop()
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        is_ready, reason = gateway.readiness()
+        return JSONResponse({"ready": is_ready, "status": reason}, status_code=200 if is_ready else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def voices(request: Request) -> Response:
+        refused = _refusal(request, gateway)
+        if refused is not None:
+            return refused
+        return JSONResponse(gateway.voices.describe())
+
+    async def speech(request: Request) -> Response:
+        refused = _refusal(request, gateway)
+        if refused is not None:
+            return refused
+        try:
+            spoken = parse_speech_request(await request.body(), gateway)
+            chunks = start_speech(spoken, gateway)
+            if spoken.sse:
+                response = StreamingResponse(sse_events(chunks), media_type="text/event-stream")
+            elif spoken.response_format == "pcm":
+                response = StreamingResponse(_pcm_stream(chunks), media_type="audio/pcm",
+                                             headers={"X-Sample-Rate": "24000"})
+            else:
+                body, media_type = await whole_file(chunks, spoken.response_format)
+                response = Response(body, media_type=media_type)
+        except HTTPError as failure:
+            gateway.metrics.http_requests.labels(status=str(failure.status)).inc()
+            return JSONResponse(failure.body(), status_code=failure.status)
+        gateway.metrics.http_requests.labels(status="200").inc()
+        return response
+
+    async def stream(websocket: WebSocket) -> None:
+        await websocket.accept()
+        refusal = _socket_refusal(websocket, gateway)
+        if refusal is not None:
+            failure, code = refusal
+            gateway.metrics.errors.labels(code=failure.code).inc()
+            await websocket.send_text(json.dumps(error_event(failure)))
+            await websocket.close(code)
+            return
+        fields, errors = query_fields(dict(websocket.query_params))
+        config, config_errors = configure(SessionConfig(), fields)
+        session = Session(websocket, gateway, config)
+        gateway.sessions.add(session)
+        try:
+            await session.run(errors + config_errors)
+        finally:
+            gateway.sessions.discard(session)
+
+    return Starlette(routes=[
+        Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
+        Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
+        WebSocketRoute("/v1/tts/stream", stream),
+    ], lifespan=lifespan)
+
+
+async def _pcm_stream(chunks):
+    async for samples in chunks:
+        yield pcm_bytes(samples)
+
+
+def _bearer(headers) -> str | None:
+    value = headers.get("authorization", "")
+    return value[7:].strip() if value.lower().startswith("bearer ") else None
+
+
+def _refusal(request: Request, gateway: Gateway) -> Response | None:
+    """401 without a valid key, 503 before the model is ready."""
+    if not gateway.authorized(_bearer(request.headers) or request.query_params.get("token")):
+        return JSONResponse({"error": {"code": "unauthorized", "message": "a valid API key is required"}}, 401)
+    if gateway.readiness()[0] is False:
+        reason = gateway.readiness()[1]
+        return JSONResponse({"error": {"code": "overloaded", "message": f"not ready: {reason}"}}, 503)
+    return None
+
+
+def _socket_refusal(websocket: WebSocket, gateway: Gateway) -> tuple[ProtocolError, int] | None:
+    if not gateway.authorized(_bearer(websocket.headers) or websocket.query_params.get("token")):
+        return ProtocolError("unauthorized", "a valid API key is required (Authorization: Bearer KEY or "
+                                             "?token=KEY)", fatal=True), CLOSE_UNAUTHORIZED
+    if not gateway.origin_allowed(websocket.headers.get("origin")):
+        return ProtocolError("unauthorized", "this origin is not allowed", fatal=True), CLOSE_POLICY
+    is_ready, reason = gateway.readiness()
+    if not is_ready:
+        return ProtocolError("overloaded", f"not ready ({reason}); retry later", fatal=True), CLOSE_OVERLOADED
+    if len(gateway.sessions) >= gateway.limits.max_sessions:
+        return ProtocolError("overloaded", f"the server has its maximum of {gateway.limits.max_sessions} "
+                                           "sessions; retry later", fatal=True), CLOSE_OVERLOADED
+    return None
+
+
+async def drain_sessions(gateway: Gateway) -> None:
+    """Graceful shutdown: every session finishes or cancels its contexts and closes with 1001."""
+    gateway.shutting_down = True
+    await asyncio.gather(*(session.shutdown() for session in list(gateway.sessions)), return_exceptions=True)

@@ -1,0 +1,71 @@
+"""A session's send queue: every event and audio frame goes through it in order, so an ack is never overtaken by
+audio queued before it, and a cancel can drop a context's unsent audio before its ack is queued."""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class Outgoing:
+    payload: str | bytes
+    context_id: str | None = None
+    audio_ms: float = 0.0
+    on_sent: Callable[[], None] | None = None  # e.g. record time to first audio when the frame really leaves
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self._items: deque[Outgoing] = deque()
+        self._ready = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._taken = asyncio.Event()  # set whenever items leave
+        self.queued_ms = 0.0  # audio waiting to be sent
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: Outgoing, urgent: bool = False) -> None:
+        if urgent:
+            self._items.appendleft(item)
+        else:
+            self._items.append(item)
+        self.queued_ms += item.audio_ms
+        self._ready.set()
+        self._drained.clear()
+
+    def drop(self, context_id: str) -> float:
+        """Forget a context's unsent items (its audio after a cancel); returns the audio dropped, in ms."""
+        kept = deque(item for item in self._items if item.context_id != context_id)
+        dropped = self.queued_ms - sum(item.audio_ms for item in kept)
+        self.queued_ms -= dropped
+        self._items = kept
+        self._settle()
+        return dropped
+
+    async def get(self) -> Outgoing:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        self.queued_ms -= item.audio_ms
+        self._settle()
+        return item
+
+    def _settle(self) -> None:
+        self._taken.set()
+        if not self._items:
+            self.queued_ms = 0.0
+            self._drained.set()
+
+    async def below(self, audio_ms: float) -> None:
+        """Wait until less than `audio_ms` of audio is queued."""
+        while self.queued_ms >= audio_ms:
+            self._taken.clear()
+            await self._taken.wait()
+
+    async def drained(self) -> None:
+        await self._drained.wait()

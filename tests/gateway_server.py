@@ -1,0 +1,79 @@
+"""A real voxgate server (uvicorn, the embedded tiny model on the CPU) on a free port, in a thread of the test
+process, for the gateway, client and bridge tests."""
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from realtime.gateway import GatewayOptions, Limits
+from realtime.server import build_server
+
+
+@dataclass
+class RunningServer:
+    http: str  # http://127.0.0.1:PORT
+    ws: str  # ws://127.0.0.1:PORT/v1/tts/stream
+    server: object
+
+    @property
+    def gateway(self):
+        return self.server.gateway
+
+    def get(self, path: str, token: str | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(self.http + path)
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as failure:
+            return failure.code, failure.read()
+
+    def post(self, path: str, body: dict | bytes, token: str | None = None) -> tuple[int, dict, bytes]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.http + path, data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, dict(response.headers), response.read()
+        except urllib.error.HTTPError as failure:
+            return failure.code, dict(failure.headers), failure.read()
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled metric from /metrics."""
+        _, body = self.get("/metrics")
+        for line in body.decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+
+@contextlib.contextmanager
+def running_server(limits: Limits = Limits(), **options) -> Iterator[RunningServer]:
+    server = build_server(GatewayOptions(limits=limits, **options), port=0, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    running = RunningServer(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/tts/stream", server)
+    while running.get("/ready")[0] != 200:
+        if time.monotonic() > deadline or server.gateway.state == "failed":
+            raise RuntimeError(f"the test server never became ready: {server.gateway.readiness()}")
+        time.sleep(0.05)
+    try:
+        yield running
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,0 +1,396 @@
+"""The voxgate.v1 socket and the HTTP API on a real uvicorn server (tiny model, CPU), through a raw WebSocket
+client, so that every byte on the wire is checked against PROTOCOL.md."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import struct
+
+import numpy as np
+import opuslib_next as opuslib
+import pytest
+import soundfile as sf
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from realtime.audio import mulaw_decode
+from realtime.gateway import Limits
+from tests.gateway_server import running_server
+
+TEXT_PIECES = ["Hel", "lo the", "re, how ", "are you", " today?"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(Limits(max_contexts=2, max_text_chars=400, max_message_bytes=4096, max_sessions=3,
+                               api_keys=("secret-key",))) as running:
+        yield running
+
+
+class Conn:
+    """A raw socket with helpers to read events and binary frames."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.streams: dict[int, str] = {}
+
+    async def send(self, **message) -> None:
+        await self.ws.send(json.dumps(message))
+
+    async def next(self, timeout: float = 60.0):
+        raw = await asyncio.wait_for(self.ws.recv(), timeout)
+        if isinstance(raw, bytes):
+            magic, flags, stream_id, pts = struct.unpack_from("<BBHI", raw)
+            assert magic == 0xA1
+            return {"type": "binary", "flags": flags, "context_id": self.streams[stream_id], "pts": pts,
+                    "payload": raw[8:]}
+        message = json.loads(raw)
+        if message["type"] == "context.started":
+            self.streams[message["stream_id"]] = message["context_id"]
+        return message
+
+    async def until(self, predicate, timeout: float = 60.0) -> list[dict]:
+        """Every event up to and including the first that matches."""
+        seen = []
+        while True:
+            seen.append(await self.next(timeout))
+            if predicate(seen[-1]):
+                return seen
+
+
+async def session(server, path: str = "", **kwargs) -> Conn:
+    ws = await connect(server.ws + path, additional_headers={"Authorization": "Bearer secret-key"},
+                       max_size=None, **kwargs)
+    conn = Conn(ws)
+    started = await conn.next()
+    assert started["type"] == "session.started" and started["protocol"] == "voxgate.v1"
+    conn.started = started
+    return conn
+
+
+def done_of(context_id: str):
+    return lambda e: e["type"] in ("context.done", "context.cancelled") and e.get("context_id") == context_id
+
+
+async def speak(conn: Conn, context_id: str, pieces=TEXT_PIECES) -> list[dict]:
+    for piece in pieces:
+        await conn.send(type="text.append", context_id=context_id, text=piece)
+    await conn.send(type="context.end", context_id=context_id)
+    return await conn.until(done_of(context_id))
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_session_started_announces_defaults_and_limits(server):
+    async def go():
+        conn = await session(server)
+        s = conn.started
+        assert s["audio"] == {"encoding": "opus", "sample_rate": 24000, "frame_ms": 20, "channels": 1,
+                              "bitrate": 24000, "pre_skip": s["audio"]["pre_skip"]} and s["audio"]["pre_skip"] > 0
+        assert s["limits"] == {"max_contexts": 2, "max_text_chars": 400, "max_message_bytes": 4096,
+                               "idle_timeout_s": 120.0}
+        assert s["voice"] == "vivian" and s["model"] and s["session_id"]
+        await conn.ws.close()
+    run(go())
+
+
+def test_opus_context_in_small_pieces_decodes_to_its_announced_length(server):
+    async def go():
+        conn = await session(server)
+        events = await speak(conn, "a")
+        frames = [e for e in events if e["type"] == "binary"]
+        done = events[-1]
+        assert done["type"] == "context.done" and done["metrics"]["ttfa_ms"] > 0
+        assert frames[0]["flags"] & 1 and frames[-1]["flags"] & 2
+        assert all(not f["flags"] & 1 for f in frames[1:]) and all(not f["flags"] & 2 for f in frames[:-1])
+        assert [f["pts"] for f in frames] == [480 * i for i in range(len(frames))]
+        decoder = opuslib.Decoder(24000, 1)
+        pcm = b"".join(decoder.decode(f["payload"], 480) for f in frames if f["payload"])
+        assert len(pcm) // 2 == round(done["audio_ms"] * 24)
+        assert done["audio_ms"] >= 2000  # the runaway guard's minimum for the tiny random model
+        await conn.ws.close()
+    run(go())
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 22050, 24000, 44100, 48000])
+def test_pcm_at_each_rate_has_the_right_length(server, rate):
+    async def go():
+        conn = await session(server, f"?encoding=pcm_s16le&sample_rate={rate}")
+        assert conn.started["audio"]["sample_rate"] == rate
+        events = await speak(conn, "p", ["One two three."])
+        audio = b"".join(e["payload"] for e in events if e["type"] == "binary")
+        done = events[-1]
+        assert len(audio) % 2 == 0 and abs(len(audio) // 2 - done["audio_ms"] * rate / 1000) <= 1
+        model_samples = done["audio_ms"] * rate / 1000 * 24000 / rate
+        assert abs(model_samples / 1920 - round(model_samples / 1920)) < 0.05  # whole 80 ms frames of the model
+        await conn.ws.close()
+    run(go())
+
+
+def test_twilio_preset_sends_mulaw_json_frames_of_160_bytes(server):
+    async def go():
+        conn = await session(server, "?preset=twilio")
+        assert conn.started["audio"]["encoding"] == "mulaw" and conn.started["audio"]["sample_rate"] == 8000
+        events = await speak(conn, "t", ["Short one."])
+        audio = [e for e in events if e["type"] == "audio"]
+        payloads = [base64.b64decode(e["data"]) for e in audio]
+        assert all(len(p) == 160 for p in payloads[:-1]) and 0 <= len(payloads[-1]) <= 160
+        assert [e["seq"] for e in audio] == list(range(len(audio)))
+        assert audio[0]["first"] is True and audio[-1]["last"] is True
+        assert all(e["pts_ms"] == pytest.approx(20 * i) for i, e in enumerate(audio))
+        samples = np.concatenate([mulaw_decode(p) for p in payloads])
+        assert len(samples) == round(events[-1]["audio_ms"] * 8) and np.abs(samples).max() > 0
+        await conn.ws.close()
+    run(go())
+
+
+def test_cancel_mid_stream_stops_audio_and_frees_the_engine(server):
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="c", text="A fairly long sentence to speak. " * 4)
+        await conn.send(type="context.flush", context_id="c")
+        await conn.until(lambda e: e["type"] == "binary")
+        await conn.send(type="context.cancel", context_id="c", event_id="e1")
+        seen = await conn.until(lambda e: e["type"] == "context.cancelled")
+        ack = seen[-1]
+        assert ack["reason"] == "client" and ack["event_id"] == "e1" and ack["audio_sent_ms"] > 0
+        await conn.send(type="ping", id=7)
+        after = await conn.until(lambda e: e["type"] == "pong")
+        assert [e["type"] for e in after] == ["pong"]  # no frame of the cancelled context after its ack
+        for _ in range(100):
+            if server.metric("voxgate_engine_requests_active") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server.metric("voxgate_engine_requests_active") == 0
+        await conn.send(type="context.cancel", context_id="c")
+        again = await conn.until(lambda e: e["type"] == "context.cancelled")
+        assert again[-1]["audio_sent_ms"] == ack["audio_sent_ms"]  # idempotent, with its final value
+        await conn.send(type="text.append", context_id="c", text="more")
+        closed = await conn.until(lambda e: e["type"] == "error")
+        assert closed[-1]["code"] == "context_closed"
+        await conn.ws.close()
+    run(go())
+
+
+def test_flush_mark_and_unknown_contexts(server):
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="f", text="First part.")
+        await conn.send(type="context.flush", context_id="f")
+        flushed = await conn.until(lambda e: e["type"] == "context.flushed")
+        assert flushed[-1]["flush_id"] == 1 and any(e["type"] == "binary" for e in flushed)
+        await conn.send(type="text.append", context_id="f", text="Second")
+        await conn.send(type="mark", context_id="f", name="m1")
+        marked = await conn.until(lambda e: e["type"] == "mark")
+        audio = [e for e in marked if e["type"] == "binary"]
+        assert audio and marked[-1]["name"] == "m1"
+        before = [e for e in flushed if e["type"] == "binary"]
+        assert audio[0]["flags"] & 4 and not before[-1]["flags"] & 4  # a fresh encoder after the flush's drain
+        assert [f["pts"] for f in before + audio] == [480 * i for i in range(len(before + audio))]
+        assert marked[-1]["pts_ms"] == pytest.approx(480 * len(before + audio) / 24)  # right after its audio
+        await conn.send(type="context.flush", context_id="f")  # nothing buffered: still acked
+        again = await conn.until(lambda e: e["type"] == "context.flushed")
+        assert again[-1]["flush_id"] == 2
+        await conn.send(type="context.end", context_id="f")
+        end = await conn.until(done_of("f"))
+        last = [e for e in end if e["type"] == "binary"]
+        assert last and last[-1]["flags"] & 2 and last[-1]["payload"] == b""  # all audio was already sent
+        for message, code in [({"type": "context.flush", "context_id": "nope"}, "context_not_found"),
+                              ({"type": "context.end", "context_id": "nope"}, "context_not_found"),
+                              ({"type": "mark", "context_id": "nope", "name": "x"}, "context_not_found"),
+                              ({"type": "text.append", "context_id": "f", "text": "x"}, "context_closed")]:
+            await conn.send(**message)
+            error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+            assert error["code"] == code and error["context_id"] == message["context_id"] and not error["fatal"]
+        await conn.send(type="context.cancel", context_id="never-seen")
+        ack = (await conn.until(lambda e: e["type"] == "context.cancelled"))[-1]
+        assert ack["audio_sent_ms"] == 0 and ack["reason"] == "client"
+        await conn.ws.close()
+    run(go())
+
+
+@pytest.mark.parametrize("raw, code", [
+    ("{not json", "invalid_json"),
+    ('{"type": "dance"}', "unknown_type"),
+    ('{"type": "text.append", "text": "hi"}', "invalid_message"),
+    ('{"type": "text.append", "context_id": 5, "text": "hi"}', "invalid_message"),
+    ('{"type": "text.append", "context_id": "x", "text": ["hi"]}', "invalid_message"),
+    ('[1, 2]', "invalid_message"),
+    ('{"type": "text.append", "context_id": "v", "text": "hi", "voice": "nobody"}', "unknown_voice"),
+    ('{"type": "session.start", "audio": {"encoding": "aac"}}', "unsupported_format"),
+    ('{"type": "session.start", "audio": {"encoding": "opus", "sample_rate": 11025}}', "unsupported_format"),
+    ('{"type": "session.start", "text": {"buffering": "eventually"}}', "invalid_config"),
+    ('{"type": "session.start", "preset": "walkie-talkie"}', "invalid_config"),
+])
+def test_bad_messages_get_their_error_and_the_session_goes_on(server, raw, code):
+    async def go():
+        conn = await session(server)
+        await conn.ws.send(raw)
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == code and error["fatal"] is False and error["message"]
+        if code == "unknown_voice":
+            assert error["context_id"] == "v"
+        events = await speak(conn, "ok", ["Still here."])
+        assert events[-1]["type"] == "context.done"
+        await conn.ws.close()
+    run(go())
+
+
+def test_binary_from_the_client_and_session_start_after_text(server):
+    async def go():
+        conn = await session(server)
+        await conn.ws.send(b"\x00\x01")
+        assert (await conn.until(lambda e: e["type"] == "error"))[-1]["code"] == "invalid_message"
+        await conn.send(type="session.start", preset="pcm", event_id=3)
+        restarted = (await conn.until(lambda e: e["type"] == "session.started"))[-1]
+        assert restarted["audio"]["encoding"] == "pcm_s16le" and restarted["event_id"] == 3
+        await conn.send(type="text.append", context_id="s", text="Hi.")
+        await conn.send(type="session.start", preset="browser")
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "invalid_message"
+        events = await speak(conn, "s", [])
+        assert any(e["type"] == "binary" for e in events)  # still pcm: the late session.start changed nothing
+        await conn.ws.close()
+    run(go())
+
+
+def test_context_limit_text_limit_and_empty_text(server):
+    async def go():
+        conn = await session(server)
+        for context_id in ("1", "2"):
+            await conn.send(type="text.append", context_id=context_id, text="Waiting")
+        await conn.send(type="text.append", context_id="3", text="One too many")
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "context_limit" and error["context_id"] == "3"
+        await conn.send(type="text.append", context_id="1", text="x" * 500)
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "text_too_long"
+        await conn.send(type="context.cancel", context_id="*")
+        cancelled = await conn.until(lambda e: e["type"] == "context.cancelled" and e["context_id"] == "2")
+        assert {e["context_id"] for e in cancelled if e["type"] == "context.cancelled"} == {"1", "2"}
+        await conn.send(type="text.append", context_id="e", text="   ")
+        events = await speak(conn, "e", [])
+        errors = [e for e in events if e["type"] == "error"]
+        assert errors and errors[0]["code"] == "empty_text" and events[-1]["type"] == "context.done"
+        await conn.ws.close()
+    run(go())
+
+
+def test_oversized_message_closes_with_1009_and_the_server_serves_others(server):
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="big", text="x" * 5000)
+        with pytest.raises(ConnectionClosed) as closed:
+            await conn.until(lambda e: False, timeout=10)
+        assert closed.value.rcvd.code == 1009
+        other = await session(server)
+        assert (await speak(other, "ok", ["Fine."]))[-1]["type"] == "context.done"
+        await other.ws.close()
+    run(go())
+
+
+def test_refusals_wrong_key_and_session_limit(server):
+    async def go():
+        async with connect(server.ws + "?token=wrong") as ws:
+            refusal = json.loads(await ws.recv())
+            assert refusal["type"] == "error" and refusal["code"] == "unauthorized" and refusal["fatal"] is True
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.rcvd.code == 4001
+        async with connect(server.ws + "?token=secret-key") as ws:  # the browser's way
+            assert json.loads(await ws.recv())["type"] == "session.started"
+        held = [await session(server) for _ in range(3)]
+        await held[0].send(type="text.append", context_id="keep", text="Keep streaming while refused.")
+        await held[0].send(type="context.end", context_id="keep")
+        async with connect(server.ws, additional_headers={"Authorization": "Bearer secret-key"}) as ws:
+            refusal = json.loads(await ws.recv())
+            assert refusal["code"] == "overloaded" and refusal["fatal"] is True
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.rcvd.code == 1013
+        events = await held[0].until(done_of("keep"))
+        assert events[-1]["type"] == "context.done"
+        for conn in held:
+            await conn.ws.close()
+    run(go())
+
+
+def test_disconnect_mid_stream_frees_the_engine_at_once(server):
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="d", text="Talk for a while please. " * 4, flush=True)
+        await conn.until(lambda e: e["type"] == "binary")
+        assert server.metric("voxgate_engine_requests_active") >= 1
+        await conn.ws.close()
+        for _ in range(100):
+            if server.metric("voxgate_engine_requests_active") == 0 and server.metric("voxgate_contexts_active") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server.metric("voxgate_engine_requests_active") == 0 and server.metric("voxgate_contexts_active") == 0
+    run(go())
+
+
+def test_ping_keepalive_and_graceful_close(server):
+    async def go():
+        conn = await session(server)
+        await conn.send(type="keepalive")
+        await conn.send(type="ping", id="p1")
+        pong = (await conn.until(lambda e: e["type"] == "pong"))[-1]
+        assert pong["id"] == "p1" and pong["server_time_ms"] > 0
+        await conn.send(type="text.append", context_id="g", text="Finish me.")
+        await conn.send(type="session.close", mode="graceful")
+        events = await conn.until(lambda e: e["type"] == "session.closed")
+        assert any(e["type"] == "context.done" and e["context_id"] == "g" for e in events)
+        with pytest.raises(ConnectionClosed) as closed:
+            await conn.next(timeout=10)
+        assert closed.value.rcvd.code == 1000
+    run(go())
+
+
+def test_same_seed_same_audio_however_the_text_was_split(server):
+    async def go():
+        outputs = []
+        for pieces in (["The same words, twice."], list("The same words, twice.")):
+            conn = await session(server, "?encoding=pcm_s16le")
+            await conn.send(type="session.start", sampling={"seed": 42}, text={"buffering": "none"})
+            await conn.until(lambda e: e["type"] == "session.started")
+            events = await speak(conn, "x", pieces)
+            outputs.append(b"".join(e["payload"] for e in events if e["type"] == "binary"))
+            await conn.ws.close()
+        assert outputs[0] and outputs[0] == outputs[1]
+    run(go())
+
+
+def test_http_speech_voices_health_ready_metrics(server):
+    token = "secret-key"
+    assert server.get("/health")[0] == 200 and server.get("/ready")[0] == 200
+    status, body = server.get("/v1/voices", token)
+    voices = json.loads(body)
+    assert status == 200 and voices["default"] == "vivian" and {"id", "variant", "languages"} <= set(voices["voices"][0])
+    assert server.get("/v1/voices")[0] == 401
+    status, headers, wav = server.post("/v1/audio/speech", {"model": "tts-1", "input": "Hello.", "voice": "ryan"},
+                                       token)
+    audio, rate = sf.read(io.BytesIO(wav))
+    assert status == 200 and rate == 24000 and len(audio) % 1920 == 0 and len(audio) > 0
+    status, _, ogg = server.post("/v1/audio/speech", {"input": "Hello.", "response_format": "opus"}, token)
+    assert status == 200 and ogg[:4] == b"OggS"
+    status, _, sse = server.post("/v1/audio/speech", {"input": "Hello.", "response_format": "pcm",
+                                                      "stream_format": "sse"}, token)
+    events = [json.loads(line[6:]) for line in sse.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and events[0]["type"] == "speech.audio.delta"
+    for body, code in [({"input": "Hi.", "speed": 1.5}, "unsupported"), ({"input": "Hi.", "voice": "alloy"},
+                       "unknown_voice"), ({"input": ""}, "empty_text"), ({"voice": "ryan"}, "invalid_message"),
+                       ({"input": "Hi.", "response_format": "aac"}, "unsupported_format")]:
+        status, _, error = server.post("/v1/audio/speech", body, token)
+        assert status == 400 and json.loads(error)["error"]["code"] == code
+    status, _, error = server.post("/v1/audio/speech", b"{oops", token)
+    assert status == 400 and json.loads(error)["error"]["code"] == "invalid_json"
+    _, metrics = server.get("/metrics")
+    for name in ("voxgate_sessions_active", "voxgate_contexts_active", "voxgate_engine_requests_active",
+                 "voxgate_ttfa_seconds_bucket", "voxgate_audio_seconds_total", "voxgate_errors_total",
+                 "voxgate_engine_step_seconds_bucket", "voxgate_engine_queue_depth"):
+        assert name in metrics.decode()
