@@ -28,6 +28,7 @@ class Utterance:
     closed: bool = False
     started: bool = False  # its text goes to the engine from now on
     first_text_at: float | None = None
+    started_at: float | None = None  # when `start_due` started it (a clause boundary or the buffering delay)
 
 
 class UtterancePlanner:
@@ -75,6 +76,8 @@ class UtterancePlanner:
                 (self.buffering == "auto" and (any(c in CLAUSE_ENDS for c in utterance.text) or
                                                now - utterance.first_text_at >= self.max_buffer_delay_s))):
             utterance.started = True
+            by_delay = self.buffering == "auto" and not any(c in CLAUSE_ENDS for c in utterance.text)
+            utterance.started_at = utterance.first_text_at + self.max_buffer_delay_s if by_delay else now
             return utterance
         return None
 

@@ -3,7 +3,7 @@ on the session's outbox as binary (or JSON) frames, acks and the final `context.
 
 Audio is encoded off the event loop. When the session's outbox holds `send_queue_ms` of audio the context stops
 encoding (its synthesis output waits here, raw) until the client reads; past `hard_limit_ms` of waiting audio the
-session is told the client is too slow."""
+session is told the client is too slow (`hard_limit_ms`, four times the queue)."""
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +39,7 @@ class ContextStream:
         self.format, self.transport = fmt, transport
         self.outbox, self.metrics = outbox, metrics
         self.send_queue_ms = send_queue_ms
-        self.hard_limit_ms = max(4 * send_queue_ms, 10_000)
+        self.hard_limit_ms = 4 * send_queue_ms
         self.on_slow, self.on_finished = on_slow, on_finished
         self.encoder = StreamEncoder(fmt)
         self.stats = ContextStats()
@@ -89,23 +89,38 @@ class ContextStream:
     # --- audio out -----------------------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        async for item in self.speech.events():
-            if isinstance(item, ContextAudio):
-                await self._send_audio(item)
-            elif isinstance(item, ContextMarker):
-                await self._send_marker(item)
-            elif isinstance(item, ContextEnd):
-                await self._finish(item)
+        """Take the synthesis output as it comes (so that audio waiting for a slow client is counted), and send it
+        in order while the outbox has room."""
+        backlog: asyncio.Queue = asyncio.Queue()
+        collector = asyncio.get_running_loop().create_task(self._collect(backlog))
+        try:
+            while True:
+                item = await backlog.get()
+                if isinstance(item, ContextAudio):
+                    await self._send_audio(item)
+                elif isinstance(item, ContextMarker):
+                    await self._send_marker(item)
+                else:
+                    await self._finish(item)
+                    break
+        finally:
+            collector.cancel()
         self.on_finished(self)
 
+    async def _collect(self, backlog: asyncio.Queue) -> None:
+        async for item in self.speech.events():
+            if isinstance(item, ContextAudio):
+                self._waiting_ms += len(item.samples) / MODEL_SAMPLE_RATE * 1000
+                if self._waiting_ms > self.hard_limit_ms:
+                    self.on_slow(True)
+            backlog.put_nowait(item)
+
     async def _send_audio(self, audio: ContextAudio) -> None:
-        ms = len(audio.samples) / MODEL_SAMPLE_RATE * 1000
-        self._waiting_ms += ms
         if self.outbox.queued_ms >= self.send_queue_ms:
-            self.on_slow(self._waiting_ms > self.hard_limit_ms)
+            self.on_slow(False)
             await self.outbox.below(self.send_queue_ms)
         frames = await asyncio.to_thread(self.encoder.encode, audio.samples)
-        self._waiting_ms -= ms
+        self._waiting_ms -= len(audio.samples) / MODEL_SAMPLE_RATE * 1000
         if not self.cancelled:
             self._queue_frames(frames, last=False)
 
@@ -160,11 +175,12 @@ class ContextStream:
                 "text_chars": self.text_chars}
 
     def _speaking_since(self) -> float:
-        """When the text started speaking; a start by the buffering delay is seen only by its first audio."""
+        """When the text started speaking: a flush or end (seen as it came), else the planner's start (a clause
+        boundary or the buffering delay, noted when the context's task polled it)."""
         if self.stats.speaking_since is None:
-            first = self.speech.planner.utterances[0].first_text_at if self.speech.planner.utterances else None
-            self.stats.speaking_since = (first + self.speech.planner.max_buffer_delay_s
-                                         if first is not None else self.stats.created_at)
+            utterances = self.speech.planner.utterances
+            started = utterances[0].started_at if utterances else None
+            self.stats.speaking_since = started if started is not None else self.stats.created_at
         return self.stats.speaking_since
 
     def _queue_frames(self, frames: list[EncodedFrame], last: bool) -> None:

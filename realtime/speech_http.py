@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.errors import RequestError
 from engine.speech_context import ContextAudio, ContextEnd
-from realtime.audio import HTTP_FORMATS, UnsupportedFormat, encode_file, mp3_available
+from realtime.audio import HTTP_FORMATS, UnsupportedFormat, encode_file, mp3_available, to_int16
 from realtime.gateway import Gateway
 from realtime.protocol import Sampling
 from realtime.voices import VoiceError
@@ -124,7 +124,7 @@ async def whole_file(chunks: AsyncIterator[np.ndarray], response_format: str) ->
 
 
 def pcm_bytes(samples: np.ndarray) -> bytes:
-    return (np.clip(samples, -1.0, 1.0) * 32767).round().astype("<i2").tobytes()
+    return to_int16(samples).astype("<i2").tobytes()
 
 
 async def sse_events(chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:

@@ -1,0 +1,53 @@
+"""A client that stops reading: the session's queued audio stays bounded (synthesis waits), the client is warned,
+and past the hard limit the session is closed with `slow_consumer`; the server keeps serving others."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from realtime.gateway import Limits
+from tests.gateway_server import running_server
+
+SEND_QUEUE_MS = 400
+
+
+def test_a_client_that_stops_reading_is_bounded_warned_and_closed():
+    with running_server(Limits(send_queue_ms=SEND_QUEUE_MS)) as server:
+        async def go():
+            # a tiny receive window and read queue: the socket stops taking frames almost at once
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", int(server.http.rsplit(":", 1)[1])))
+            ws = await connect(server.ws + "?encoding=pcm_s16le&sample_rate=48000", sock=sock, max_queue=1,
+                               max_size=None)
+            await ws.recv()  # session.started
+            for i in range(4):
+                await ws.send(json.dumps({"type": "text.append", "context_id": str(i), "flush": True,
+                                          "text": "A long answer that keeps the model talking for a while. " * 5}))
+            (session,) = server.gateway.sessions
+            peak = 0.0
+            for _ in range(300):  # up to 15 s without reading
+                await asyncio.sleep(0.05)
+                peak = max(peak, session.outbox.queued_ms)
+                if session._close is not None:
+                    break
+            chunk_ms = 320  # the largest chunk the engine hands over at once (4 frames of 80 ms)
+            assert peak <= SEND_QUEUE_MS + 4 * chunk_ms  # each of the 4 contexts may add one chunk past the limit
+            events = []
+            try:
+                while True:
+                    message = await asyncio.wait_for(ws.recv(), 30)
+                    if isinstance(message, str):
+                        events.append(json.loads(message))
+            except ConnectionClosed as closed:
+                close_code = closed.rcvd.code if closed.rcvd else None
+            codes = [e.get("code") for e in events if e["type"] in ("warning", "error")]
+            assert "slow_consumer" in codes
+            assert close_code == 1008 and any(e["type"] == "error" and e["fatal"] for e in events)
+            async with connect(server.ws) as other:  # the server is fine
+                assert json.loads(await other.recv())["type"] == "session.started"
+        asyncio.run(go())
