@@ -1,8 +1,9 @@
 """The engine on its own thread, for asyncio callers (the gateway): submit from any coroutine, read each request's
 events from its own queue, cancel at any time.
 
-The step loop owns the GPU; callers never wait for a step to finish except to take the engine's lock for a
-submit or cancel (the engine itself is single-threaded). A step that raises (a CUDA error) fails every request
+The step loop owns the GPU. Text and cancels are queued as commands that the engine thread applies between
+steps, so the event loop never waits for a step (tens of appends per second per session would otherwise each
+wait up to a step); only a submit takes the engine's lock, to validate the request at once. A step that raises (a CUDA error) fails every request
 with a `Finished(reason="error")` and marks the engine unhealthy, so readiness can turn off; it never takes the
 caller's event loop down.
 """
@@ -11,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from engine.engine import Engine, Event, Finished, SynthesisRequest
+from engine.errors import RequestError
 
 
 class RequestStream:
@@ -54,6 +57,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._work = threading.Event()
         self._streams: dict[int, RequestStream] = {}
+        self._commands: deque[Callable[[], None]] = deque()  # applied by the engine thread between steps
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -85,30 +89,41 @@ class AsyncEngine:
         return stream
 
     def append_text(self, request_id: int, text: str) -> None:
-        """More text for a streaming-text request (raises `RequestError` when it is not one, or has ended)."""
-        with self._lock:
-            self.engine.append_text(request_id, text)
-        self._work.set()
+        """More text for a streaming-text request (ignored once the request has finished or was cancelled)."""
+        self._command(lambda: self.engine.append_text(request_id, text))
 
     def end_text(self, request_id: int) -> None:
-        with self._lock:
-            self.engine.end_text(request_id)
-        self._work.set()
+        self._command(lambda: self.engine.end_text(request_id))
 
     def _cancel(self, request_id: int) -> bool:
-        with self._lock:
-            self._streams.pop(request_id, None)
-            return self.engine.cancel(request_id)
+        """Nothing more is delivered from now on; the slot is freed before the next step."""
+        running = self._streams.pop(request_id, None) is not None
+        self._command(lambda: self.engine.cancel(request_id))
+        return running
+
+    def _command(self, command: Callable[[], None]) -> None:
+        self._commands.append(command)
+        self._work.set()
+
+    def _apply_commands(self) -> None:
+        """Called with the lock held. A command for a request that has just finished is moot."""
+        while self._commands:
+            try:
+                self._commands.popleft()()
+            except RequestError:
+                pass
 
     def _run(self) -> None:
         while not self._stopping:
+            self._work.clear()  # before looking, so that a command queued meanwhile wakes the wait below
             with self._lock:
+                self._apply_commands()
                 work = self.engine.has_work()
             if not work:  # idle, or every stream waits for its text
                 self._work.wait(timeout=0.5)
-                self._work.clear()
                 continue
             with self._lock:
+                self._apply_commands()
                 started = self.last_step_started = time.monotonic()
                 batch = len(self.engine.running)
                 try:

@@ -98,6 +98,8 @@ async def run_session(index: int, args: argparse.Namespace, deadline: float, sta
     try:
         async with VoxgateClient.connect(args.url, api_key=args.api_key, encoding=args.encoding) as client:
             watcher = asyncio.create_task(count_session_errors(client, stats.errors))
+            if args.buffering != "auto":
+                await client.start(text={"buffering": args.buffering})
             rate = client.session["audio"]["sample_rate"]
             count = 0
             while time.monotonic() < deadline and client.close_code is None:
@@ -128,7 +130,8 @@ async def bench(args: argparse.Namespace) -> dict:
     await asyncio.gather(*(run_session(i, args, deadline, stats) for i in range(args.sessions)))
     wall = time.monotonic() - started
     return {"url": args.url, "sessions": args.sessions, "duration_s": args.duration, "wall_s": round(wall, 1),
-            "encoding": args.encoding, "token_rate": list(args.token_rate), "contexts": stats.contexts,
+            "encoding": args.encoding, "buffering": args.buffering, "token_rate": list(args.token_rate),
+            "contexts": stats.contexts,
             "contexts_done": stats.done, "audio_s": round(stats.audio_s, 1),
             "audio_s_per_wall_s": round(stats.audio_s / wall, 2),
             "ttfa_client_ms": percentiles(stats.client_ttfa_s, 1000.0),
@@ -174,6 +177,8 @@ def main() -> None:
                         help="LLM text rate in tokens/s, a range LOW-HIGH drawn per answer")
     parser.add_argument("--encoding", default="opus", choices=["opus", "pcm_s16le", "mulaw"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--buffering", default="auto", choices=["auto", "none", "sentence"],
+                        help="text.buffering of the sessions (none: TTFA from the first token)")
     args = parser.parse_args()
     local = None
     if args.serve:
