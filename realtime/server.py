@@ -3,7 +3,6 @@ shutdown that lets sessions finish or cancel their contexts before uvicorn close
 from __future__ import annotations
 
 import logging
-import sys
 
 import uvicorn
 
@@ -12,9 +11,6 @@ from realtime.gateway import Gateway, GatewayOptions
 
 PING_INTERVAL_S = 20.0
 PING_TIMEOUT_S = 20.0
-# The engine thread and the event loop share the GIL; at the default 5 ms hand-over each of the engine's many short
-# Python stretches per step can wait that long behind the loop's encoding and sending.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class _Server(uvicorn.Server):
@@ -39,5 +35,4 @@ def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8
 
 def serve(options: GatewayOptions, host: str, port: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     build_server(options, host, port).run()
