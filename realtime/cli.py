@@ -113,7 +113,10 @@ def run_serve(args: argparse.Namespace) -> None:
     limits = Limits(args.max_sessions, args.max_contexts, args.max_text_chars, args.max_message_bytes,
                     args.idle_timeout, args.send_queue_ms, args.max_message_rate, tuple(args.api_key),
                     tuple(args.allowed_origin))
-    serve(GatewayOptions(args.model, args.device, clones, limits, args.max_batch), args.host, args.port)
+    try:
+        serve(GatewayOptions(args.model, args.device, clones, limits, args.max_batch), args.host, args.port)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop
+        pass
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> None:

@@ -75,3 +75,41 @@ def test_make_checkpoint_writes_the_official_layout(tmp_path):
     assert files == ["config.json", "generation_config.json", "merges.txt", "model.safetensors",
                      "speech_tokenizer/config.json", "speech_tokenizer/model.safetensors",
                      "speech_tokenizer/preprocessor_config.json", "tokenizer_config.json", "vocab.json"]
+
+
+def test_serve_runs_the_readme_command_and_stops_cleanly():
+    """`voxgate serve` with no model: loading shows progress, /ready turns 200 after warm-up, SIGINT stops it."""
+    import json
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "realtime.cli", "serve", "--port", str(port)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, status = time.monotonic() + 180, None
+        while status != 200 and time.monotonic() < deadline and server.poll() is None:
+            try:
+                status = urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5).status
+            except OSError:
+                time.sleep(0.2)
+        assert status == 200
+        voices = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/voices", timeout=5))
+        assert voices["default"] in [v["id"] for v in voices["voices"]]
+    finally:
+        server.send_signal(signal.SIGINT)
+        output = server.communicate(timeout=60)[0]
+    assert server.returncode == 0, output
+    assert "Finished server process" in output and "Traceback" not in output
+    assert "loading the model" in output and "warming up" in output and "ready in" in output
+
+
+def test_serve_refuses_bad_limits():
+    run = voxgate("serve", "--max-sessions", "0")
+    assert run.returncode == 2 and "--max-sessions must be at least 1" in run.stderr
+    run = voxgate("serve", "--clone-voice", "nobody")
+    assert run.returncode == 2 and "NAME=WAV" in run.stderr
