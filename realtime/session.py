@@ -58,6 +58,7 @@ class Session:
         self._last_activity = time.monotonic()
         self._close: tuple[int, str] | None = None
         self._sender_task: asyncio.Task | None = None
+        self._ended = asyncio.Event()  # set once the socket is closed
 
     # --- life cycle ----------------------------------------------------------------------------------------------
 
@@ -83,6 +84,7 @@ class Session:
                     await self.ws.close(code, reason)
                 except (RuntimeError, WebSocketDisconnect, OSError):
                     pass
+            self._ended.set()
 
     async def _reader(self) -> None:
         while True:
@@ -148,6 +150,10 @@ class Session:
             self._cancel_one(context_id, "shutdown")
         self._queue(event("session.closed", reason="shutdown"))
         self.close_after_queue(CLOSE_GOING_AWAY, "server shutting down")
+        try:  # the server closes what is left of the socket after this returns
+            await asyncio.wait_for(self._ended.wait(), SHUTDOWN_GRACE_S)
+        except asyncio.TimeoutError:
+            pass
 
     # --- messages ------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,101 @@
+"""Limits of a session on a real server: idle timeout, message rate, the Origin allow-list, and readiness turning
+503 when the engine fails."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from realtime.gateway import Limits
+from tests.gateway_server import running_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(Limits(idle_timeout_s=1.0, max_message_rate=20.0,
+                               allowed_origins=("https://app.example",))) as running:
+        yield running
+
+
+async def closing_events(ws) -> tuple[list[dict], int | None]:
+    events = []
+    try:
+        while True:
+            events.append(json.loads(await asyncio.wait_for(ws.recv(), 20)))
+    except ConnectionClosed as closed:
+        return events, closed.rcvd.code if closed.rcvd else None
+
+
+def test_idle_sessions_are_closed_with_4008_but_keepalive_holds_them(server):
+    async def go():
+        async with connect(server.ws) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+            for _ in range(4):  # 2 s of keepalives: longer than the timeout, still open
+                await asyncio.sleep(0.5)
+                await ws.send(json.dumps({"type": "keepalive"}))
+            await ws.send(json.dumps({"type": "ping", "id": 1}))
+            assert json.loads(await ws.recv())["type"] == "pong"
+            events, code = await closing_events(ws)
+            assert code == 4008 and events[-1]["code"] == "idle_timeout" and events[-1]["fatal"] is True
+    asyncio.run(go())
+
+
+def test_messages_past_the_rate_are_dropped_with_rate_limited(server):
+    async def go():
+        async with connect(server.ws) as ws:
+            await ws.recv()
+            for i in range(60):  # a burst of 60 against 20/s with bursts of 40
+                await ws.send(json.dumps({"type": "ping", "id": i}))
+            answers = [json.loads(await asyncio.wait_for(ws.recv(), 10)) for _ in range(60)]
+            limited = [a for a in answers if a["type"] == "error"]
+            assert 15 <= len(limited) <= 25 and all(a["code"] == "rate_limited" for a in limited)
+            assert len([a for a in answers if a["type"] == "pong"]) == 60 - len(limited)
+    asyncio.run(go())
+
+
+def test_origin_allow_list(server):
+    async def go():
+        async with connect(server.ws, origin="https://evil.example") as ws:
+            events, code = await closing_events(ws)
+            assert code == 1008 and events == [events[0]] and events[0]["code"] == "unauthorized"
+        async with connect(server.ws, origin="https://app.example") as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+    asyncio.run(go())
+
+
+def test_ready_turns_503_when_the_engine_fails(server):
+    server.gateway.engine.error = "RuntimeError: CUDA error: an illegal memory access"
+    try:
+        status, body = server.get("/ready")
+        assert status == 503 and "illegal memory access" in json.loads(body)["status"]
+        assert server.get("/health")[0] == 200
+    finally:
+        server.gateway.engine.error = None
+
+
+def test_shutdown_finishes_or_cancels_contexts_and_closes_with_1001():
+    with running_server() as server:
+        async def go():
+            async with connect(server.ws) as ws:
+                await ws.recv()
+                await ws.send(json.dumps({"type": "text.append", "context_id": "ended", "text": "Done soon."}))
+                await ws.send(json.dumps({"type": "context.end", "context_id": "ended"}))
+                await ws.send(json.dumps({"type": "text.append", "context_id": "open", "text": "Still typing"}))
+                await asyncio.sleep(0.3)
+                server.server.should_exit = True  # what SIGTERM does
+                events = []
+                try:
+                    while True:
+                        message = await asyncio.wait_for(ws.recv(), 30)
+                        if isinstance(message, str):
+                            events.append(json.loads(message))
+                except ConnectionClosed as closed:
+                    code = closed.rcvd.code if closed.rcvd else None
+                kinds = [(e["type"], e.get("context_id"), e.get("reason")) for e in events]
+                assert ("context.done", "ended", None) in kinds
+                assert ("context.cancelled", "open", "shutdown") in kinds
+                assert kinds[-1][0] == "session.closed" and code == 1001
+        asyncio.run(go())
