@@ -35,13 +35,22 @@ class ContextMarker:
 
 
 @dataclass(frozen=True)
+class ContextText:
+    """Text of utterance `utterance` that went to the engine now, before any audio made from it; `final` once the
+    utterance's text is complete. Lets the gateway estimate word times without holding up the audio."""
+    utterance: int
+    text: str
+    final: bool
+
+
+@dataclass(frozen=True)
 class ContextEnd:
     reason: str  # "done" | "error"
     samples: int
     error: str | None = None
 
 
-ContextEvent = ContextAudio | ContextMarker | ContextEnd
+ContextEvent = ContextAudio | ContextText | ContextMarker | ContextEnd
 
 
 class SpeechContext:
@@ -146,6 +155,7 @@ class SpeechContext:
         sent = len(utterance.text)
         self._stream = stream = self.engine.submit(
             replace(self.template, text=utterance.text, sampling=sampling, text_complete=False))
+        self._events.put_nowait(ContextText(utterance.index, utterance.text, final=False))
         feeder = asyncio.get_running_loop().create_task(self._feed(utterance, stream.request_id, sent))
         try:
             start = self.samples
@@ -161,6 +171,8 @@ class SpeechContext:
     async def _feed(self, utterance: Utterance, request_id: int, sent: int) -> None:
         """Forward the utterance's later text to its request, and its end once it closes."""
         while True:
+            if len(utterance.text) > sent or utterance.closed:
+                self._events.put_nowait(ContextText(utterance.index, utterance.text[sent:], utterance.closed))
             if len(utterance.text) > sent:
                 self.engine.append_text(request_id, utterance.text[sent:])
                 sent = len(utterance.text)

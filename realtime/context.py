@@ -3,7 +3,10 @@ on the session's outbox as binary (or JSON) frames, acks and the final `context.
 
 Audio is encoded off the event loop. When the session's outbox holds `send_queue_ms` of audio the context stops
 encoding (its synthesis output waits here, raw) until the client reads; past `hard_limit_ms` of waiting audio the
-session is told the client is too slow (`hard_limit_ms`, four times the queue)."""
+session is told the client is too slow (`hard_limit_ms`, four times the queue).
+
+Word times are estimated for every context (for `heard_text`) and sent as `timestamps` events when the session asked
+for them."""
 from __future__ import annotations
 
 import asyncio
@@ -13,11 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from engine.speech_context import ContextAudio, ContextEnd, ContextMarker, SpeechContext
+from engine.speech_context import ContextAudio, ContextEnd, ContextMarker, ContextText, SpeechContext
 from realtime.audio import AudioFormat, EncodedFrame, StreamEncoder
 from realtime.metrics import Metrics
 from realtime.outbox import Outbox, Outgoing
 from realtime.protocol import FLAG_DISCONTINUITY, FLAG_FIRST, FLAG_LAST, event, pack_header
+from realtime.word_timing import WordTimeline
 
 MODEL_SAMPLE_RATE = 24000
 
@@ -33,7 +37,8 @@ class ContextStats:
 class ContextStream:
     def __init__(self, context_id: str, stream_id: int, voice: str, speech: SpeechContext, fmt: AudioFormat,
                  transport: str, outbox: Outbox, metrics: Metrics, send_queue_ms: float,
-                 on_slow: Callable[[bool], None], on_finished: Callable[["ContextStream"], None]) -> None:
+                 on_slow: Callable[[bool], None], on_finished: Callable[["ContextStream"], None],
+                 timestamps: bool = False) -> None:
         self.context_id, self.stream_id, self.voice = context_id, stream_id, voice
         self.speech = speech
         self.format, self.transport = fmt, transport
@@ -51,6 +56,11 @@ class ContextStream:
         self._pts_base = 0  # output samples of the encoders before the current one
         self._discontinuity = False
         self._waiting_ms = 0.0  # synthesized audio not yet encoded (the client reads too slowly)
+        self.words = WordTimeline()
+        self.timestamps = timestamps
+        self._model_samples = 0  # synthesized samples taken in order (those waiting for a slow client included)
+        self._encoded_samples = 0  # synthesized samples given to the current encoder
+        self._padding_s = 0.0  # silence the drained encoders added (a flush, a mark): later audio starts later
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # --- text in -------------------------------------------------------------------------------------------------
@@ -98,6 +108,8 @@ class ContextStream:
                 item = await backlog.get()
                 if isinstance(item, ContextAudio):
                     await self._send_audio(item)
+                elif isinstance(item, ContextText):
+                    self._time_words(item)
                 elif isinstance(item, ContextMarker):
                     await self._send_marker(item)
                 else:
@@ -115,11 +127,24 @@ class ContextStream:
                     self.on_slow(True)
             backlog.put_nowait(item)
 
+    def _time_words(self, text: ContextText) -> None:
+        audio_end_s = self._model_samples / MODEL_SAMPLE_RATE + self._padding_s
+        words = self.words.add(text.utterance, text.text, text.final, audio_end_s)
+        if words and self.timestamps and not self.cancelled:
+            self._queue(event("timestamps", context_id=self.context_id, words=[w.text for w in words],
+                              start=[round(w.start_s, 3) for w in words], end=[round(w.end_s, 3) for w in words],
+                              estimated=True))
+
+    def heard_text(self, played_ms: float) -> str:
+        return self.words.heard_text(min(played_ms, self.stats.audio_sent_ms) / 1000)
+
     async def _send_audio(self, audio: ContextAudio) -> None:
+        self._model_samples += len(audio.samples)
         if self.outbox.queued_ms >= self.send_queue_ms:
             self.on_slow(False)
             await self.outbox.below(self.send_queue_ms)
         frames = await asyncio.to_thread(self.encoder.encode, audio.samples)
+        self._encoded_samples += len(audio.samples)
         self._waiting_ms -= len(audio.samples) / MODEL_SAMPLE_RATE * 1000
         if not self.cancelled:
             self._queue_frames(frames, last=False)
@@ -144,6 +169,9 @@ class ContextStream:
         self._queue_frames(frames, last=False)
         if self.encoder.samples_out:
             self._pts_base += self.encoder.samples_out
+            self._padding_s += (self.encoder.samples_out / self.format.sample_rate
+                                - self._encoded_samples / MODEL_SAMPLE_RATE)
+            self._encoded_samples = 0
             self.encoder = StreamEncoder(self.format)
             self._discontinuity = self.format.encoding == "opus"
 

@@ -62,6 +62,7 @@ class SessionConfig:
     buffering: str = "auto"
     max_buffer_delay_ms: int = 150
     sampling: Sampling = field(default_factory=Sampling)
+    timestamps: str = "none"  # "word": estimated word times (`timestamps` events)
 
 
 def pack_header(flags: int, stream_id: int, pts: int) -> bytes:
@@ -167,7 +168,8 @@ def configure(config: SessionConfig, fields: dict[str, Any]) -> tuple[SessionCon
     return config, errors
 
 
-SESSION_FIELDS = ("voice", "language", "instructions", "audio", "transport", "text", "sampling")
+SESSION_FIELDS = ("voice", "language", "instructions", "audio", "transport", "text", "sampling", "timestamps")
+TIMESTAMPS = ("none", "word")
 
 
 def _apply(config: SessionConfig, fields: dict[str, Any]) -> SessionConfig:
@@ -188,6 +190,10 @@ def _apply(config: SessionConfig, fields: dict[str, Any]) -> SessionConfig:
         config = _text(config, _object(fields["text"], "text"))
     if fields.get("sampling") is not None:
         config = replace(config, sampling=_sampling(config.sampling, _object(fields["sampling"], "sampling")))
+    if fields.get("timestamps") is not None:
+        if fields["timestamps"] not in TIMESTAMPS:
+            raise ProtocolError("invalid_config", f"timestamps must be one of: {', '.join(TIMESTAMPS)}")
+        config = replace(config, timestamps=fields["timestamps"])
     return config
 
 

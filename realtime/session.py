@@ -279,7 +279,7 @@ class Session:
         self._stream_ids = (self._stream_ids + 1) % 65536
         context = ContextStream(context_id, stream_id, voice_id, speech, self.config.audio, self.config.transport,
                                 self.outbox, self.gateway.metrics, self.limits.send_queue_ms, self._slow,
-                                self._finished)
+                                self._finished, timestamps=self.config.timestamps == "word")
         self.contexts[context_id] = context
         self.gateway.metrics.contexts_active.inc()
         self._queue(event("context.started", context_id=context_id, stream_id=stream_id, voice=voice_id,
@@ -296,8 +296,10 @@ class Session:
         self.gateway.metrics.contexts_active.dec()
         context.cancel()
         self.finished[context_id] = context.stats.audio_sent_ms
+        played_ms = (message or {}).get("played_ms")
         ack = event("context.cancelled", context_id=context_id, audio_sent_ms=round(context.stats.audio_sent_ms, 3),
-                    reason=reason, event_id=(message or {}).get("event_id"))
+                    reason=reason, heard_text=context.heard_text(played_ms) if played_ms is not None else None,
+                    event_id=(message or {}).get("event_id"))
         self._queue(ack)
 
     def _slow(self, past_hard_limit: bool) -> None:
@@ -319,6 +321,7 @@ class Session:
                           audio=audio_description(self.config.audio, pre_skip), transport={"audio": self.config.transport},
                           text={"buffering": self.config.buffering,
                                 "max_buffer_delay_ms": self.config.max_buffer_delay_ms},
+                          timestamps=self.config.timestamps,
                           limits={"max_contexts": limits.max_contexts, "max_text_chars": limits.max_text_chars,
                                   "max_message_bytes": limits.max_message_bytes,
                                   "idle_timeout_s": limits.idle_timeout_s},

@@ -176,6 +176,65 @@ def test_cancel_mid_stream_stops_audio_and_frees_the_engine(server):
     run(go())
 
 
+def test_word_timestamps_go_out_before_their_audio(server):
+    async def go():
+        conn = await session(server)
+        await conn.send(type="session.start", timestamps="word")
+        assert (await conn.next())["timestamps"] == "word"
+        events = await speak(conn, "w", ["Hello th", "ere, how are", " you today?"])
+        audio_end_ms, words = 0.0, []
+        for e in events:
+            if e["type"] == "binary" and e["payload"]:
+                audio_end_ms = e["pts"] / 24 + 20
+            elif e["type"] == "timestamps":
+                assert e["context_id"] == "w" and e["estimated"] is True
+                assert len(e["words"]) == len(e["start"]) == len(e["end"])
+                assert e["start"][0] * 1000 >= audio_end_ms - 1e-6  # no later than the audio it describes
+                words += zip(e["words"], e["start"], e["end"])
+        assert [w for w, _, _ in words] == ["Hello", "there,", "how", "are", "you", "today?"]
+        assert all(start < end for _, start, end in words)
+        assert all(a[2] <= b[1] for a, b in zip(words, words[1:]))
+        await conn.send(type="session.start", timestamps="sentence")
+        refused = await conn.until(lambda e: e["type"] == "error")
+        assert refused[-1]["code"] == "invalid_message"  # session.start after text
+        await conn.ws.close()
+    run(go())
+
+
+def test_cancel_with_played_ms_tells_the_text_heard(server):
+    async def go():
+        conn = await session(server)
+        text = "A fairly long sentence to speak, with many words in it. " * 3
+        await conn.send(type="text.append", context_id="h", text=text, flush=True)
+        await conn.send(type="text.append", context_id="z", text=text, flush=True)
+        frames = 0
+        while frames < 15:
+            frames += (await conn.next())["type"] == "binary"
+        await conn.send(type="context.cancel", context_id="h", played_ms=10**9)
+        await conn.send(type="context.cancel", context_id="z", played_ms=0)
+        acks = {}
+        while len(acks) < 2:
+            e = await conn.next()
+            if e["type"] == "context.cancelled":
+                acks[e["context_id"]] = e
+        heard = acks["h"]["heard_text"]
+        assert heard and text.startswith(heard) and len(heard) < len(text)  # only what the sent audio covers
+        assert acks["z"]["heard_text"] == ""
+        await conn.ws.close()
+    run(go())
+
+
+def test_timestamps_other_than_word_or_none_are_refused(server):
+    async def go():
+        conn = await session(server)
+        await conn.send(type="session.start", timestamps="sentence")
+        refused = await conn.next()
+        assert refused["type"] == "error" and refused["code"] == "invalid_config"
+        assert (await conn.next())["timestamps"] == "none"
+        await conn.ws.close()
+    run(go())
+
+
 def test_flush_mark_and_unknown_contexts(server):
     async def go():
         conn = await session(server)

@@ -10,7 +10,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig, SynthesisRequest
 from engine.sampling import SamplingParams
-from engine.speech_context import ContextAudio, ContextEnd, ContextMarker, SpeechContext
+from engine.speech_context import ContextAudio, ContextEnd, ContextMarker, ContextText, SpeechContext
 from engine.tts import TTSModel, VoiceRequest
 from engine.utterances import UtterancePlanner
 
@@ -107,6 +107,14 @@ def test_context_audio_is_its_utterances_in_order_with_markers_after_them(tts):
     order = [type(e).__name__ for e in events]
     assert order.index("ContextMarker") > max(i for i, e in enumerate(events)
                                              if isinstance(e, ContextAudio) and e.start_sample < len(expected[0]))
+    # each utterance's text is reported, whole and marked final once, before any of its audio
+    texts = [e for e in events if isinstance(e, ContextText)]
+    for k, text in enumerate([first, "See you ", "soon."]):
+        mine = [e for e in texts if e.utterance == k]
+        assert "".join(e.text for e in mine) == text and [e.final for e in mine].count(True) == 1
+        first_audio = next(i for i, e in enumerate(events) if isinstance(e, ContextAudio)
+                           and e.start_sample >= sum(map(len, expected[:k])))
+        assert events.index(mine[0]) < first_audio
 
 
 def test_same_text_split_differently_sounds_the_same(tts):

@@ -1,0 +1,80 @@
+"""Estimated word times of a context: the `timestamps` events (`timestamps: "word"`) and the `heard_text` of a
+cancel with `played_ms`.
+
+The model gives no alignment, so times are estimates (`estimated: true`): each word lasts a nominal time for its
+length and starts no earlier than the audio already made when its text reached the engine. Words are timed as soon as
+their text goes to the engine, so their event always goes out before the audio they describe.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+# a CJK character is a word of its own; elsewhere a word is a run of non-space characters
+_TOKEN = re.compile(f"[{_CJK}]|[^\\s{_CJK}]+")
+_SPOKEN = re.compile(r"\w")
+_MARKUP = "*_#`~>|[](){}\"'"  # stripped from a word's edges (not read out)
+
+CJK_CHAR_S = 0.22
+CHAR_S = 0.065
+WORD_S = 0.04
+PAUSES_S = {",": 0.15, ";": 0.15, ":": 0.15, ".": 0.3, "!": 0.3, "?": 0.3,
+            "，": 0.15, "；": 0.15, "：": 0.15, "、": 0.1, "。": 0.3, "！": 0.3, "？": 0.3}
+
+
+@dataclass(frozen=True)
+class Word:
+    text: str
+    start_s: float  # from the start of the context's audio
+    end_s: float
+    text_end: int  # offset just past the word in the context's text
+
+
+def nominal_duration_s(word: str) -> float:
+    if _is_cjk(word):
+        return CJK_CHAR_S
+    return WORD_S + CHAR_S * sum(ch.isalnum() for ch in word)
+
+
+class WordTimeline:
+    def __init__(self) -> None:
+        self.text = ""  # the context's text that went to the engine
+        self.words: list[Word] = []
+        self._untimed_from = 0  # offset of the first character not yet split into words
+        self._utterance = -1
+        self._cursor_s = 0.0  # where the next word of the current utterance may start
+
+    def add(self, utterance: int, text: str, final: bool, audio_end_s: float) -> list[Word]:
+        """Text that went to the engine for `utterance` while the context's audio reached `audio_end_s`; returns the
+        words it completed (a word at the end of the text waits for the next character unless `final`)."""
+        if utterance != self._utterance:
+            self._utterance = utterance
+            self._cursor_s = audio_end_s
+        self.text += text
+        timed = []
+        for token in _TOKEN.finditer(self.text, self._untimed_from):
+            if token.end() == len(self.text) and not final and not _is_cjk(token.group()):
+                break
+            self._untimed_from = token.end()
+            word = token.group().strip(_MARKUP)
+            if _SPOKEN.search(word):
+                start = max(self._cursor_s, audio_end_s)
+                end = start + nominal_duration_s(word)
+                timed.append(Word(word, start, end, token.end()))
+                self._cursor_s = end + PAUSES_S.get(word[-1], 0.0)
+        self.words += timed
+        return timed
+
+    def heard_text(self, played_s: float) -> str:
+        """The text up to the last word whose middle had been played."""
+        end = 0
+        for word in self.words:
+            if (word.start_s + word.end_s) / 2 > played_s:
+                break
+            end = word.text_end
+        return self.text[:end].strip()
+
+
+def _is_cjk(token: str) -> bool:
+    return len(token) == 1 and re.match(f"[{_CJK}]", token) is not None

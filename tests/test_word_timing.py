@@ -1,0 +1,48 @@
+"""Estimated word times: words are timed once complete, in order, never before the audio that was already made."""
+from __future__ import annotations
+
+import pytest
+
+from realtime.word_timing import WordTimeline, nominal_duration_s
+
+
+def test_words_are_timed_once_complete_and_in_order():
+    timeline = WordTimeline()
+    assert timeline.add(0, "Hello wor", final=False, audio_end_s=0.0) == [w for w in timeline.words]
+    assert [w.text for w in timeline.words] == ["Hello"]  # "wor" may go on
+    words = timeline.add(0, "ld, **how** are", final=False, audio_end_s=0.1)
+    assert [w.text for w in words] == ["world,", "how"]  # markup stripped from the edges
+    words = timeline.add(0, " you?", final=True, audio_end_s=0.2)
+    assert [w.text for w in words] == ["are", "you?"]
+    times = [(w.start_s, w.end_s) for w in timeline.words]
+    assert times[0] == (0.0, pytest.approx(nominal_duration_s("Hello")))
+    assert all(start < end for start, end in times)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(times, times[1:]))
+    assert times[2][0] - times[1][1] == pytest.approx(0.15)  # the pause after a comma
+
+
+def test_a_word_never_starts_before_the_audio_made_when_its_text_arrived():
+    timeline = WordTimeline()
+    timeline.add(0, "One ", final=False, audio_end_s=0.0)
+    late = timeline.add(0, "two ", final=False, audio_end_s=3.0)  # the text came slowly: the audio ran ahead
+    assert late[0].start_s == 3.0
+    second = timeline.add(1, "Three.", final=True, audio_end_s=5.0)  # a new utterance starts where its audio does
+    assert second[0].start_s == 5.0
+
+
+def test_chinese_characters_are_words_and_punctuation_alone_is_not():
+    timeline = WordTimeline()
+    words = timeline.add(0, "你好，世界 - ok", final=True, audio_end_s=0.0)
+    assert [w.text for w in words] == ["你", "好", "世", "界", "ok"]
+    assert words[1].end_s - words[1].start_s == pytest.approx(0.22)
+
+
+def test_heard_text_is_the_text_up_to_the_last_word_half_played():
+    timeline = WordTimeline()
+    timeline.add(0, "Good morning, dear friends. ", final=True, audio_end_s=0.0)
+    good, morning, dear = timeline.words[:3]
+    assert timeline.heard_text(0.0) == ""
+    assert timeline.heard_text((good.start_s + good.end_s) / 2) == "Good"
+    assert timeline.heard_text(morning.end_s) == "Good morning,"
+    assert timeline.heard_text(dear.end_s + 0.01) == "Good morning, dear"
+    assert timeline.heard_text(100.0) == "Good morning, dear friends."
