@@ -12,7 +12,7 @@ from engine.errors import VoxgateError
 
 def _synth_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="synthesize one utterance into a WAV file")
-    p.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--model", help="checkpoint directory or hub id (default: the embedded tiny model)")
     p.add_argument("--text", required=True)
     p.add_argument("--speaker", help="built-in speaker (CustomVoice)")
     p.add_argument("--instruct", help="voice / style instruction (VoiceDesign, CustomVoice 1.7B)")
@@ -45,13 +45,14 @@ def run_synth(args: argparse.Namespace) -> None:
     import numpy as np
     import soundfile as sf
 
+    from engine.model_source import resolve_model
     from engine.random_checkpoint import default_model_dir
     from engine.sampling import SamplingParams
     from engine.tts import TTSModel, VoiceRequest
 
     if args.max_frames is not None and args.max_frames < 1:
         raise VoxgateError("--max-frames must be at least 1")
-    model_dir = args.model or default_model_dir()
+    model_dir, _ = resolve_model(args.model or default_model_dir())
     started = time.perf_counter()
     tts = TTSModel.load(model_dir, device=args.device)
     speaker = args.speaker
@@ -76,7 +77,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     d = Limits()
     p = sub.add_parser("serve", help="run the realtime gateway (WebSocket voxgate.v1 and HTTP)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--model", help="checkpoint directory or hub id (default: the embedded tiny model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")

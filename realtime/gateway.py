@@ -14,6 +14,7 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig, Finished, SynthesisRequest
+from engine.model_source import resolve_model
 from engine.prompt import Voice
 from engine.sampling import SamplingParams
 from engine.speech_context import SpeechContext
@@ -43,7 +44,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class GatewayOptions:
-    model: Path | None = None  # None: the embedded tiny model
+    model: str | Path | None = None  # a checkpoint directory or a hub id; None: the embedded tiny model
     device: str = "cpu"
     clone_voices: tuple[CloneVoice, ...] = ()
     limits: Limits = field(default_factory=Limits)
@@ -59,6 +60,7 @@ class Gateway:
         self.state = "loading"
         self.failure: str | None = None
         self.tts: TTSModel | None = None
+        self._model_name = "loading"
         self.voices: VoiceCatalog | None = None
         self.engine: AsyncEngine | None = None
         self.sessions: set = set()
@@ -71,7 +73,7 @@ class Gateway:
 
     @property
     def model_name(self) -> str:
-        return self.tts.model_dir.name if self.tts is not None else "loading"
+        return self._model_name
 
     async def start(self) -> None:
         """Load, build the engine, warm up; a failure is reported by /ready, never raised into the server."""
@@ -99,7 +101,9 @@ class Gateway:
     def _load(self) -> tuple[TTSModel, VoiceCatalog]:
         from engine.random_checkpoint import default_model_dir
 
-        tts = TTSModel.load(self.options.model or default_model_dir(), device=self.options.device)
+        model_dir, name = resolve_model(self.options.model or default_model_dir())
+        tts = TTSModel.load(model_dir, device=self.options.device)
+        self._model_name = name
         return tts, VoiceCatalog(tts, list(self.options.clone_voices))
 
     def _engine_config(self) -> EngineConfig:

@@ -1,5 +1,6 @@
 """The `voxgate synth` and `voxgate make-checkpoint` commands, run as a user runs them (a subprocess)."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,8 @@ import soundfile as sf
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def voxgate(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def voxgate(*args: str, cache: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
     if cache is not None:
         env["XDG_CACHE_HOME"] = str(cache)
     return subprocess.run([sys.executable, "-m", "realtime.cli", *map(str, args)], cwd=ROOT, env=env,
@@ -64,7 +65,24 @@ def test_synth_errors_are_one_clear_line(tiny_checkpoints, tmp_path, args, messa
 
 def test_synth_reports_a_missing_model_directory(tmp_path):
     run = voxgate("synth", "--model", tmp_path / "nope", "--text", "Hi.", "-o", tmp_path / "x.wav")
-    assert run.returncode == 2 and "model directory not found" in run.stderr and "Traceback" not in run.stderr
+    assert run.returncode == 2 and "no such checkpoint directory" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_hub_id_is_found_in_the_hub_cache_when_offline(tiny_checkpoints, tmp_path):
+    """`--model Qwen/...` takes the hub's cache layout (models--owner--name/snapshots/<commit>, refs/main)."""
+    hub = tmp_path / "hub"
+    repo = hub / "models--Qwen--Qwen3-TTS-Tiny-CustomVoice"
+    shutil.copytree(tiny_checkpoints["custom_voice"], repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub)}
+    run = voxgate("synth", "--model", "Qwen/Qwen3-TTS-Tiny-CustomVoice", "--speaker", "vivian", "--text", "Hi.",
+                  "--max-frames", "3", "-o", tmp_path / "x.wav", env=env)
+    assert run.returncode == 0, run.stderr
+    assert sf.info(tmp_path / "x.wav").frames == 3 * 1920
+    missing = voxgate("synth", "--model", "Qwen/Qwen3-TTS-Not-Cached", "--text", "Hi.", "-o", tmp_path / "y.wav",
+                      env=env)
+    assert missing.returncode == 2 and "not in the hub cache" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_make_checkpoint_writes_the_official_layout(tmp_path):
