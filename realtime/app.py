@@ -1,22 +1,27 @@
-"""The starlette application: thin routes over the gateway (`gateway.py`), the socket session (`session.py`) and the
-speech endpoint (`speech_http.py`)."""
+"""The starlette application: thin routes over the gateway (`gateway.py`), the socket session (`session.py`), the
+speech endpoint (`speech_http.py`), the demo's LLM chat socket (`chat.py`) and the browser demo (`web/`)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
+from realtime.chat import ChatSocket
 from realtime.gateway import Gateway
 from realtime.protocol import (CLOSE_OVERLOADED, CLOSE_POLICY, CLOSE_UNAUTHORIZED, ProtocolError, SessionConfig,
                                configure, error_event, query_fields)
 from realtime.session import Session
 from realtime.speech_http import HTTPError, parse_speech_request, pcm_bytes, sse_events, start_speech, whole_file
+
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 
 
 def create_app(gateway: Gateway) -> Starlette:
@@ -69,10 +74,7 @@ def create_app(gateway: Gateway) -> Starlette:
         await websocket.accept()
         refusal = _socket_refusal(websocket, gateway)
         if refusal is not None:
-            failure, code = refusal
-            gateway.metrics.errors.labels(code=failure.code).inc()
-            await websocket.send_text(json.dumps(error_event(failure)))
-            await websocket.close(code)
+            await _refuse(websocket, gateway, *refusal)
             return
         fields, errors = query_fields(dict(websocket.query_params))
         config, config_errors = configure(SessionConfig(), fields)
@@ -83,11 +85,22 @@ def create_app(gateway: Gateway) -> Starlette:
         finally:
             gateway.sessions.discard(session)
 
-    return Starlette(routes=[
+    async def chat(websocket: WebSocket) -> None:
+        await websocket.accept()
+        refusal = _access_refusal(websocket, gateway)
+        if refusal is not None:
+            await _refuse(websocket, gateway, *refusal)
+            return
+        await ChatSocket(websocket, gateway, gateway.options.llm).run()
+
+    routes = [
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
-        WebSocketRoute("/v1/tts/stream", stream),
-    ], lifespan=lifespan)
+        WebSocketRoute("/v1/tts/stream", stream), WebSocketRoute("/v1/chat", chat),
+    ]
+    if WEB_DIR.is_dir():  # the browser demo
+        routes.append(Mount("/", StaticFiles(directory=WEB_DIR, html=True)))
+    return Starlette(routes=routes, lifespan=lifespan)
 
 
 async def _pcm_stream(chunks):
@@ -110,12 +123,25 @@ def _refusal(request: Request, gateway: Gateway) -> Response | None:
     return None
 
 
-def _socket_refusal(websocket: WebSocket, gateway: Gateway) -> tuple[ProtocolError, int] | None:
+async def _refuse(websocket: WebSocket, gateway: Gateway, failure: ProtocolError, code: int) -> None:
+    gateway.metrics.errors.labels(code=failure.code).inc()
+    await websocket.send_text(json.dumps(error_event(failure)))
+    await websocket.close(code)
+
+
+def _access_refusal(websocket: WebSocket, gateway: Gateway) -> tuple[ProtocolError, int] | None:
     if not gateway.authorized(_bearer(websocket.headers) or websocket.query_params.get("token")):
         return ProtocolError("unauthorized", "a valid API key is required (Authorization: Bearer KEY or "
                                              "?token=KEY)", fatal=True), CLOSE_UNAUTHORIZED
     if not gateway.origin_allowed(websocket.headers.get("origin")):
         return ProtocolError("unauthorized", "this origin is not allowed", fatal=True), CLOSE_POLICY
+    return None
+
+
+def _socket_refusal(websocket: WebSocket, gateway: Gateway) -> tuple[ProtocolError, int] | None:
+    refusal = _access_refusal(websocket, gateway)
+    if refusal is not None:
+        return refusal
     is_ready, reason = gateway.readiness()
     if not is_ready:
         return ProtocolError("overloaded", f"not ready ({reason}); retry later", fatal=True), CLOSE_OVERLOADED

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from engine.errors import VoxgateError
 
+DEFAULT_SYSTEM_PROMPT = ("You are a helpful voice assistant. Your answers are spoken aloud: keep them short and "
+                         "conversational, in plain sentences without lists, markdown or emoji.")
+
 
 def _synth_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="synthesize one utterance into a WAV file")
@@ -94,11 +97,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="a voice cloned from a reference audio (Base models; repeatable)")
     p.add_argument("--allowed-origin", action="append", default=[], help="browser Origin allowed (none: any)")
     p.add_argument("--max-batch", type=int, help="engine slots (default: 64 on a GPU, 8 on the CPU)")
+    p.add_argument("--llm-url", help="OpenAI-compatible API base for the demo's chat (e.g. http://localhost:11434/v1)")
+    p.add_argument("--llm-model", help="the model name sent to --llm-url")
+    p.add_argument("--llm-api-key", help="API key for --llm-url")
+    p.add_argument("--llm-system-prompt", default=DEFAULT_SYSTEM_PROMPT)
     p.set_defaults(run=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> None:
     from realtime.gateway import GatewayOptions, Limits
+    from realtime.llm import LLMConfig
     from realtime.server import serve
     from realtime.voices import CloneVoice
 
@@ -114,8 +122,11 @@ def run_serve(args: argparse.Namespace) -> None:
     limits = Limits(args.max_sessions, args.max_contexts, args.max_text_chars, args.max_message_bytes,
                     args.idle_timeout, args.send_queue_ms, args.max_message_rate, tuple(args.api_key),
                     tuple(args.allowed_origin))
+    if bool(args.llm_url) != bool(args.llm_model):
+        raise VoxgateError("--llm-url and --llm-model go together")
+    llm = LLMConfig(args.llm_url, args.llm_model, args.llm_api_key, args.llm_system_prompt) if args.llm_url else None
     try:
-        serve(GatewayOptions(args.model, args.device, clones, limits, args.max_batch), args.host, args.port)
+        serve(GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm), args.host, args.port)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop
         pass
 

@@ -20,6 +20,7 @@ from engine.sampling import SamplingParams
 from engine.speech_context import SpeechContext
 from engine.tts import TTSModel
 from engine.utterances import UtterancePlanner
+from realtime.llm import LLMConfig
 from realtime.metrics import Metrics
 from realtime.protocol import Sampling
 from realtime.voices import CloneVoice, VoiceCatalog
@@ -50,6 +51,7 @@ class GatewayOptions:
     limits: Limits = field(default_factory=Limits)
     max_batch: int | None = None  # engine slots; None: 64 on a GPU, 8 on the CPU
     clean_text: bool = True  # LLM output: markdown and emoji are not read out
+    llm: LLMConfig | None = None  # the chat endpoint's LLM (/v1/chat); None: the demo speaks what the user types
 
 
 class Gateway:
@@ -70,6 +72,10 @@ class Gateway:
         self.metrics.engine_queue_depth.set_function(
             lambda: len(self.engine.engine.waiting) if self.engine else 0)
         self._loaded = asyncio.Event()
+
+    def session(self, session_id: str):
+        """The open voxgate.v1 session with this id, or None."""
+        return next((session for session in self.sessions if session.id == session_id), None)
 
     @property
     def model_name(self) -> str:

@@ -17,6 +17,7 @@ ERROR_CODES = frozenset({
     "invalid_json", "unknown_type", "invalid_message", "invalid_config", "unsupported_format", "unknown_voice",
     "context_not_found", "context_closed", "context_limit", "text_too_long", "rate_limited", "overloaded",
     "synthesis_failed", "empty_text", "slow_consumer", "idle_timeout", "unauthorized", "internal"})
+CHAT_ERROR_CODES = frozenset({"session_not_found", "no_llm", "llm_error"})  # WS /v1/chat's own (docs/protocol.md)
 
 CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_TOO_BIG = 1000, 1001, 1008, 1009
 CLOSE_INTERNAL, CLOSE_OVERLOADED, CLOSE_UNAUTHORIZED, CLOSE_IDLE = 1011, 1013, 4001, 4008
@@ -38,7 +39,7 @@ class ProtocolError(Exception):
     """A refused message: becomes an `error` event (and a close, when fatal)."""
 
     def __init__(self, code: str, message: str, *, fatal: bool = False, context_id: str | None = None) -> None:
-        assert code in ERROR_CODES, code
+        assert code in ERROR_CODES | CHAT_ERROR_CODES, code
         super().__init__(message)
         self.code, self.message, self.fatal, self.context_id = code, message, fatal, context_id
 
@@ -108,8 +109,10 @@ MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 MAX_CONTEXT_ID_CHARS = 128
 
 
-def parse_message(text: str) -> dict[str, Any]:
-    """A client text frame as a validated message dict; raises ProtocolError (never fatal)."""
+def parse_message(text: str, schemas: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = MESSAGES
+                  ) -> dict[str, Any]:
+    """A client text frame as a validated message dict (`schemas`: voxgate.v1's messages unless another socket's);
+    raises ProtocolError (never fatal)."""
     try:
         message = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as failure:
@@ -119,10 +122,10 @@ def parse_message(text: str) -> dict[str, Any]:
     kind = message.get("type")
     if not isinstance(kind, str):
         raise ProtocolError("invalid_message", "the message has no \"type\" string")
-    if kind not in MESSAGES:
-        raise ProtocolError("unknown_type", f"unknown message type {kind!r}; expected one of: {', '.join(MESSAGES)}")
+    if kind not in schemas:
+        raise ProtocolError("unknown_type", f"unknown message type {kind!r}; expected one of: {', '.join(schemas)}")
     context_id = message.get("context_id") if isinstance(message.get("context_id"), str) else None
-    for name, (types, required) in MESSAGES[kind].items():
+    for name, (types, required) in schemas[kind].items():
         value = message.get(name)
         if value is None:
             if required:
@@ -138,7 +141,8 @@ def parse_message(text: str) -> dict[str, Any]:
     return message
 
 
-_TYPE_NAMES = {str: "a string", bool: "a boolean", dict: "an object", int: "a number", float: "a number"}
+_TYPE_NAMES = {str: "a string", bool: "a boolean", dict: "an object", int: "a number", float: "a number",
+               list: "an array"}
 
 
 def _not_finite(value: Any) -> bool:

@@ -35,4 +35,6 @@ def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8
 
 def serve(options: GatewayOptions, host: str, port: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = f"answers from {options.llm.model}" if options.llm else "no --llm-url: it speaks what you type"
+    logging.getLogger("voxgate").info("voice-chat demo: http://%s:%d/ (%s)", host, port, llm)
     build_server(options, host, port).run()

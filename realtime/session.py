@@ -157,10 +157,18 @@ class Session:
 
     # --- messages ------------------------------------------------------------------------------------------------
 
-    def _handle_text(self, text: str) -> None:
+    def inject(self, message: dict[str, Any]) -> None:
+        """A message on the client's behalf from the server's LLM proxy (`/v1/chat`): validated and handled like the
+        client's own, its errors sent to the client, but outside the client's message rate."""
+        self._handle_text(json.dumps(message), rate_limited=False)
+
+    def context_open(self, context_id: str) -> bool:
+        return context_id in self.contexts and not self.contexts[context_id].cancelled
+
+    def _handle_text(self, text: str, rate_limited: bool = True) -> None:
         event_id = None
         try:
-            if not self._limiter.allow():
+            if rate_limited and not self._limiter.allow():
                 raise ProtocolError("rate_limited", f"more than {self.limits.max_message_rate:g} messages per "
                                                     "second; this message was dropped")
             message = parse_message(text)

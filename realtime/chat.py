@@ -1,0 +1,152 @@
+"""`WS /v1/chat`: LLM chat beside voxgate.v1, for the browser demo (docs/protocol.md "/v1/chat").
+
+The page keeps its voxgate.v1 session for audio and asks here for a reply: the server streams the request to the
+configured OpenAI-compatible LLM, sends each piece of the reply to the page (`chat.delta`) and, in the same moment,
+appends it to a context of the page's session, so the speech starts while the LLM is still writing. A turn ends when
+the reply is complete (`context.end`), on `chat.cancel` or a newer request, or when the session's context is
+cancelled (barge-in on the audio socket stops the LLM too)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from realtime.gateway import Gateway
+from realtime.llm import LLMConfig, LLMError, stream_chat
+from realtime.protocol import ProtocolError, event, parse_message
+from realtime.session import RateLimiter, Session
+
+log = logging.getLogger("voxgate")
+MAX_CHAT_MESSAGES = 200
+ROLES = ("system", "user", "assistant")
+_STR = (str,)
+CHAT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "chat.request": {"id": (_STR, True), "session_id": (_STR, True), "context_id": (_STR, True),
+                     "messages": ((list,), True), "voice": (_STR, False), "language": (_STR, False),
+                     "instructions": (_STR, False)},
+    "chat.cancel": {"id": (_STR, True)},
+}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    id: str
+    session_id: str
+    context_id: str
+    messages: list[dict[str, str]]
+    voice_fields: dict[str, str]  # voice / language / instructions for the context's first append
+
+
+def parse_chat_request(message: dict[str, Any], max_chars: int) -> ChatRequest:
+    messages = message["messages"]
+    if not messages or len(messages) > MAX_CHAT_MESSAGES:
+        raise ProtocolError("invalid_message", f"chat.request: messages must hold 1 to {MAX_CHAT_MESSAGES} messages")
+    for item in messages:
+        if not (isinstance(item, dict) and item.get("role") in ROLES and isinstance(item.get("content"), str)):
+            raise ProtocolError("invalid_message", "chat.request: each message must be {\"role\": "
+                                                   f"{' | '.join(ROLES)}, \"content\": string}}")
+    if sum(len(item["content"]) for item in messages) > max_chars:
+        raise ProtocolError("text_too_long", f"chat.request: the messages hold more than {max_chars} characters")
+    return ChatRequest(message["id"], message["session_id"], message["context_id"],
+                       [{"role": m["role"], "content": m["content"]} for m in messages],
+                       {k: message[k] for k in ("voice", "language", "instructions") if message.get(k) is not None})
+
+
+class ChatSocket:
+    def __init__(self, websocket: WebSocket, gateway: Gateway, llm: LLMConfig | None) -> None:
+        self.ws, self.gateway, self.llm = websocket, gateway, llm
+        self._turn: asyncio.Task | None = None
+        self._turn_id: str | None = None
+        self._disconnected = False  # the page went away: its context is cancelled, not finished
+        self._limiter = RateLimiter(gateway.limits.max_message_rate)
+
+    async def run(self) -> None:
+        await self._send({"type": "chat.ready", "llm": {"model": self.llm.model} if self.llm else None})
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                if message.get("text") is not None:
+                    await self._handle(message["text"])
+                else:
+                    await self._error(ProtocolError("invalid_message", "send JSON text frames"))
+        finally:
+            await self._stop_turn(disconnected=True)
+
+    async def _handle(self, text: str) -> None:
+        try:
+            if not self._limiter.allow():
+                raise ProtocolError("rate_limited", "too many messages; this one was dropped")
+            message = parse_message(text, CHAT_MESSAGES)
+            if message["type"] == "chat.cancel":
+                if message["id"] == self._turn_id:
+                    await self._stop_turn()
+                return
+            request = parse_chat_request(message, self.gateway.limits.max_text_chars)
+            if self.llm is None:
+                raise ProtocolError("no_llm", "no LLM is configured: start voxgate serve with --llm-url and "
+                                              "--llm-model (the page then speaks what you type)")
+            session = self.gateway.session(request.session_id)
+            if session is None:
+                raise ProtocolError("session_not_found", "no open voxgate.v1 session with this session_id "
+                                                         "(from its session.started)")
+            await self._stop_turn()  # a new request barges in on the last one
+            self._turn_id = request.id
+            self._turn = asyncio.get_running_loop().create_task(self._run_turn(request, session))
+        except ProtocolError as failure:
+            await self._error(failure)
+
+    async def _stop_turn(self, disconnected: bool = False) -> None:
+        """Stop the LLM; what it wrote is still spoken (`context.end`), unless the page went away."""
+        turn, self._turn = self._turn, None
+        self._disconnected = disconnected
+        if turn is not None and not turn.done():
+            turn.cancel()
+            await asyncio.gather(turn, return_exceptions=True)
+
+    async def _run_turn(self, request: ChatRequest, session: Session) -> None:
+        reply, reason = "", "stop"
+        try:
+            async with contextlib.aclosing(stream_chat(self.llm, request.messages)) as pieces:
+                async for piece in pieces:
+                    if reply and not session.context_open(request.context_id):
+                        reason = "cancelled"  # the context was cancelled on the audio socket: barge-in
+                        break
+                    session.inject(event("text.append", context_id=request.context_id, text=piece,
+                                         **({} if reply else request.voice_fields)))
+                    if not session.context_open(request.context_id):  # refused: its error went to the audio socket
+                        reason = "error"
+                        break
+                    reply += piece
+                    await self._send(event("chat.delta", id=request.id, text=piece))
+            if session.context_open(request.context_id):
+                session.inject(event("context.end", context_id=request.context_id))
+        except asyncio.CancelledError:
+            reason = "cancelled"
+            if session.context_open(request.context_id):
+                session.inject(event("context.cancel" if self._disconnected else "context.end",
+                                     context_id=request.context_id))
+            if self._disconnected:
+                return
+        except LLMError as failure:
+            reason = "error"
+            log.warning("chat %s: %s", request.id, failure)
+            await self._error(ProtocolError("llm_error", str(failure)), request.id)
+            if session.context_open(request.context_id):
+                session.inject(event("context.end", context_id=request.context_id))
+        await self._send(event("chat.done", id=request.id, text=reply, reason=reason))
+
+    async def _error(self, failure: ProtocolError, request_id: str | None = None) -> None:
+        await self._send(event("error", code=failure.code, message=failure.message, id=request_id, fatal=False))
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        try:
+            await self.ws.send_text(json.dumps(message))
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass  # the reader sees the disconnect and stops the turn

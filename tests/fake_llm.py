@@ -1,0 +1,77 @@
+"""A local OpenAI-compatible chat server that streams a fixed reply token by token (server-sent events), on a free
+port in a thread, recording each request and whether its client went away before the reply was complete."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+
+@dataclass
+class Call:
+    body: dict
+    authorization: str | None
+    outcome: str = "streaming"  # then "complete" or "cancelled"
+
+
+@dataclass
+class FakeLLM:
+    url: str  # the API base, as --llm-url takes it
+    reply: list[str]
+    token_delay_s: float
+    calls: list[Call] = field(default_factory=list)
+
+
+def create_app(llm: FakeLLM) -> Starlette:
+    async def completions(request: Request):
+        body = await request.json()
+        if not body.get("stream") or not body.get("messages"):
+            return JSONResponse({"error": {"message": "stream and messages are required"}}, status_code=400)
+        call = Call(body, request.headers.get("authorization"))
+        llm.calls.append(call)
+
+        async def events():
+            try:
+                for token in llm.reply:
+                    await asyncio.sleep(llm.token_delay_s)
+                    chunk = {"object": "chat.completion.chunk", "model": body["model"],
+                             "choices": [{"index": 0, "delta": {"content": token}, "finish_reason": None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+                call.outcome = "complete"
+            finally:
+                if call.outcome == "streaming":
+                    call.outcome = "cancelled"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
+
+
+@contextlib.contextmanager
+def running_fake_llm(reply: list[str], token_delay_s: float = 0.05) -> Iterator[FakeLLM]:
+    llm = FakeLLM("", reply, token_delay_s)
+    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the fake LLM did not start")
+        time.sleep(0.02)
+    llm.url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    try:
+        yield llm
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -1,0 +1,181 @@
+"""`WS /v1/chat` on a real server (tiny model) with a local fake OpenAI-compatible LLM: the reply streams to the chat
+socket and is spoken into a context of the page's voxgate.v1 session as it arrives; barge-in stops the LLM."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from realtime.gateway import Limits
+from realtime.llm import LLMConfig
+from tests.fake_llm import running_fake_llm
+from tests.gateway_server import running_server
+
+REPLY = ["Hello", " there", ",", " nice", " to", " meet", " you", "."]
+LONG_REPLY = ["Word "] * 200
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with running_fake_llm(REPLY, token_delay_s=0.02) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with running_server(Limits(api_keys=("k",)), llm=LLMConfig(llm.url, "fake-model", "llm-key", "Be brief.")) as running:
+        yield running
+
+
+def chat_url(server) -> str:
+    return server.ws.replace("/v1/tts/stream", "/v1/chat") + "?token=k"
+
+
+async def receive(ws, timeout: float = 60.0) -> dict:
+    while True:
+        raw = await asyncio.wait_for(ws.recv(), timeout)
+        if isinstance(raw, str):
+            return json.loads(raw)
+
+
+async def until(ws, predicate, timeout: float = 60.0) -> list[dict]:
+    seen = []
+    while not seen or not predicate(seen[-1]):
+        seen.append(await receive(ws, timeout))
+    return seen
+
+
+async def open_pair(server):
+    tts = await connect(server.ws + "?token=k", max_size=None)
+    started = json.loads(await tts.recv())
+    chat = await connect(chat_url(server))
+    ready = json.loads(await chat.recv())
+    return tts, started["session_id"], chat, ready
+
+
+def test_the_reply_streams_to_the_page_and_is_spoken_as_it_arrives(server, llm):
+    async def go():
+        tts, session_id, chat, ready = await open_pair(server)
+        assert ready == {"type": "chat.ready", "llm": {"model": "fake-model"}}
+        await chat.send(json.dumps({"type": "chat.request", "id": "r1", "session_id": session_id,
+                                    "context_id": "c1", "messages": [{"role": "user", "content": "Hi!"}],
+                                    "voice": "vivian"}))
+        chat_events = await until(chat, lambda e: e["type"] == "chat.done")
+        deltas = [e["text"] for e in chat_events if e["type"] == "chat.delta"]
+        assert deltas == REPLY and chat_events[-1] == {"type": "chat.done", "id": "r1", "text": "".join(REPLY),
+                                                       "reason": "stop"}
+        spoken = await until(tts, lambda e: e["type"] == "context.done")
+        assert spoken[0]["type"] == "context.started" and spoken[0]["voice"] == "vivian"
+        assert spoken[-1]["metrics"]["text_chars"] == len("".join(REPLY)) and spoken[-1]["audio_ms"] > 0
+        body = llm.calls[-1].body
+        assert body["model"] == "fake-model" and body["stream"] is True
+        assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+        assert llm.calls[-1].authorization == "Bearer llm-key"
+        await tts.close()
+        await chat.close()
+    asyncio.run(go())
+
+
+def test_cancelling_the_context_on_the_audio_socket_stops_the_llm(server, llm):
+    async def go():
+        llm.reply = LONG_REPLY
+        try:
+            tts, session_id, chat, _ = await open_pair(server)
+            await chat.send(json.dumps({"type": "chat.request", "id": "r2", "session_id": session_id,
+                                        "context_id": "c2", "messages": [{"role": "user", "content": "Talk."}]}))
+            await until(chat, lambda e: e["type"] == "chat.delta")
+            await tts.send(json.dumps({"type": "context.cancel", "context_id": "c2", "played_ms": 0}))
+            cancelled = await until(tts, lambda e: e["type"] == "context.cancelled")
+            assert cancelled[-1]["heard_text"] == ""
+            done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
+            assert done["reason"] == "cancelled" and len(done["text"]) < len("".join(LONG_REPLY))
+            for _ in range(100):
+                if llm.calls[-1].outcome != "streaming":
+                    break
+                await asyncio.sleep(0.05)
+            assert llm.calls[-1].outcome == "cancelled"
+            await tts.send(json.dumps({"type": "ping", "id": 1}))
+            after = await until(tts, lambda e: e["type"] == "pong")
+            assert [e["type"] for e in after] == ["pong"]  # nothing more was appended to the cancelled context
+            await tts.close()
+            await chat.close()
+        finally:
+            llm.reply = REPLY
+    asyncio.run(go())
+
+
+def test_chat_cancel_stops_the_llm_and_speaks_what_it_wrote(server, llm):
+    async def go():
+        llm.reply = LONG_REPLY
+        try:
+            tts, session_id, chat, _ = await open_pair(server)
+            await chat.send(json.dumps({"type": "chat.request", "id": "r3", "session_id": session_id,
+                                        "context_id": "c3", "messages": [{"role": "user", "content": "Talk."}]}))
+            await until(chat, lambda e: e["type"] == "chat.delta")
+            await chat.send(json.dumps({"type": "chat.cancel", "id": "r3"}))
+            done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
+            assert done["reason"] == "cancelled"
+            spoken = (await until(tts, lambda e: e["type"] == "context.done", timeout=120))[-1]
+            assert spoken["metrics"]["text_chars"] == len(done["text"])
+            await tts.close()
+            await chat.close()
+        finally:
+            llm.reply = REPLY
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("message,code", [
+    ("not json", "invalid_json"),
+    ('{"type": "chat.hello"}', "unknown_type"),
+    ('{"type": "chat.request", "id": "x"}', "invalid_message"),
+    ('{"type": "chat.request", "id": "x", "session_id": "s", "context_id": "c", "messages": []}', "invalid_message"),
+    ('{"type": "chat.request", "id": "x", "session_id": "s", "context_id": "c", '
+     '"messages": [{"role": "robot", "content": "hi"}]}', "invalid_message"),
+    ('{"type": "chat.request", "id": "x", "session_id": "nope", "context_id": "c", '
+     '"messages": [{"role": "user", "content": "hi"}]}', "session_not_found"),
+])
+def test_bad_chat_messages_get_their_error_and_the_socket_goes_on(server, message, code):
+    async def go():
+        async with connect(chat_url(server)) as chat:
+            await chat.recv()
+            await chat.send(message)
+            error = json.loads(await chat.recv())
+            assert error["type"] == "error" and error["code"] == code and error["fatal"] is False
+            await chat.send('{"type": "chat.cancel", "id": "none"}')  # nothing to cancel: no answer, no close
+            await chat.send("{}")
+            assert json.loads(await chat.recv())["code"] == "invalid_message"
+    asyncio.run(go())
+
+
+def test_a_wrong_key_is_refused(server):
+    async def go():
+        async with connect(server.ws.replace("/v1/tts/stream", "/v1/chat") + "?token=bad") as chat:
+            error = json.loads(await chat.recv())
+            assert error["code"] == "unauthorized" and error["fatal"] is True
+            with pytest.raises(ConnectionClosed) as closed:
+                await chat.recv()
+            assert closed.value.rcvd.code == 4001
+    asyncio.run(go())
+
+
+def test_without_an_llm_or_with_an_llm_that_fails():
+    async def go(server):
+        tts, session_id, chat, ready = await open_pair(server)
+        request = {"type": "chat.request", "id": "r", "session_id": session_id, "context_id": "c",
+                   "messages": [{"role": "user", "content": "Hi"}]}
+        await chat.send(json.dumps(request))
+        answers = await until(chat, lambda e: e["type"] in ("chat.done", "error") and e.get("code") != "llm_error")
+        await tts.close()
+        await chat.close()
+        return ready, answers
+
+    with running_server(Limits(api_keys=("k",))) as plain:
+        ready, answers = asyncio.run(go(plain))
+        assert ready["llm"] is None and answers[-1]["code"] == "no_llm"
+    with running_server(Limits(api_keys=("k",)), llm=LLMConfig("http://127.0.0.1:9/v1", "m")) as broken:
+        ready, answers = asyncio.run(go(broken))
+        assert answers[0]["code"] == "llm_error" and "127.0.0.1:9" in answers[0]["message"]
+        assert answers[-1] == {"type": "chat.done", "id": "r", "text": "", "reason": "error"}
