@@ -66,7 +66,7 @@ async function send(text) {
   const id = `turn-${++turns}`;
   addBubble("user", text);
   turn = {id, sentAt: performance.now(), playedAtStart: demo.played, bubble: addBubble("assistant", ""),
-          stopped: false, chatDone: !demo.llm, firstAudio: false};
+          stopped: false, chatDone: !demo.llm, recorded: !demo.llm, firstAudio: false};
   history.push({role: "user", content: text});
   const voice = {voice: $("voice").value, language: $("language").value};
   if (demo.llm) {
@@ -86,6 +86,7 @@ function bargeIn() {
   player.clear();
   tts.cancel(turn.id, (demo.played - turn.playedAtStart) / OUTPUT_RATE * 1000);
   if (!turn.chatDone) chat.cancel(turn.id);
+  remember(turn, turn.bubble.textContent); // the history holds what was shown up to the barge-in
   demo.turnsCancelled += 1;
   setStatus("stopped");
 }
@@ -95,9 +96,16 @@ function onDelta(id, text) {
 }
 
 function onDone(id, text, reason) {
-  if (turn && turn.id === id) turn.chatDone = true;
-  if (text) history.push({role: "assistant", content: text});
+  if (!turn || turn.id !== id) return; // a reply that was barged in on is already in the history
+  turn.chatDone = true;
+  remember(turn, text);
   if (reason === "error") setStatus("the LLM failed");
+}
+
+function remember(answered, text) {
+  if (answered.recorded) return;
+  answered.recorded = true;
+  if (text) history.push({role: "assistant", content: text});
 }
 
 function onFrame(contextId, bytes) {
