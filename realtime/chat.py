@@ -17,7 +17,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from realtime.gateway import Gateway
-from realtime.llm import LLMConfig, LLMError, stream_chat
+from realtime.llm import LLMConfig, LLMError, new_http_client, stream_chat
 from realtime.protocol import ProtocolError, event, parse_message
 from realtime.session import RateLimiter, Session
 
@@ -67,6 +67,7 @@ class ChatSocket:
 
     async def run(self) -> None:
         await self._send({"type": "chat.ready", "llm": {"model": self.llm.model} if self.llm else None})
+        self._http = new_http_client()  # one connection pool for the socket's turns
         try:
             while True:
                 message = await self.ws.receive()
@@ -78,6 +79,7 @@ class ChatSocket:
                     await self._error(ProtocolError("invalid_message", "send JSON text frames"))
         finally:
             await self._stop_turn(disconnected=True)
+            await self._http.aclose()
 
     async def _handle(self, text: str) -> None:
         try:
@@ -112,34 +114,37 @@ class ChatSocket:
 
     async def _run_turn(self, request: ChatRequest, session: Session) -> None:
         reply, reason = "", "stop"
+        context_id = request.context_id
         try:
-            async with contextlib.aclosing(stream_chat(self.llm, request.messages)) as pieces:
+            async with contextlib.aclosing(stream_chat(self._http, self.llm, request.messages)) as pieces:
                 async for piece in pieces:
-                    if reply and not session.context_open(request.context_id):
-                        reason = "cancelled"  # the context was cancelled on the audio socket: barge-in
+                    if not session.takes_text_for(context_id):
+                        reason = "cancelled"  # cancelled on the audio socket (barge-in), or that socket closed
                         break
-                    session.inject(event("text.append", context_id=request.context_id, text=piece,
-                                         **({} if reply else request.voice_fields)))
-                    if not session.context_open(request.context_id):  # refused: its error went to the audio socket
-                        reason = "error"
+                    if not session.inject(event("text.append", context_id=context_id, text=piece,
+                                                **({} if reply else request.voice_fields))):
+                        reason = "error"  # refused (unknown voice, text too long): the error went to that socket
                         break
                     reply += piece
                     await self._send(event("chat.delta", id=request.id, text=piece))
-            if session.context_open(request.context_id):
-                session.inject(event("context.end", context_id=request.context_id))
+            if reason == "stop" and reply and not session.context_open(context_id):
+                reason = "cancelled"  # barged in on after the last piece
         except asyncio.CancelledError:
             reason = "cancelled"
-            if session.context_open(request.context_id):
-                session.inject(event("context.cancel" if self._disconnected else "context.end",
-                                     context_id=request.context_id))
-            if self._disconnected:
+            if self._disconnected:  # nobody is listening: free the engine
+                if session.context_open(context_id):
+                    session.inject(event("context.cancel", context_id=context_id))
                 return
         except LLMError as failure:
             reason = "error"
             log.warning("chat %s: %s", request.id, failure)
             await self._error(ProtocolError("llm_error", str(failure)), request.id)
-            if session.context_open(request.context_id):
-                session.inject(event("context.end", context_id=request.context_id))
+        except Exception:  # a bug must not leave the page waiting for a chat.done
+            reason = "error"
+            log.exception("chat %s: internal error", request.id)
+            await self._error(ProtocolError("internal", "internal server error"), request.id)
+        if session.context_open(context_id):  # what the LLM wrote is spoken to its end
+            session.inject(event("context.end", context_id=context_id))
         await self._send(event("chat.done", id=request.id, text=reply, reason=reason))
 
     async def _error(self, failure: ProtocolError, request_id: str | None = None) -> None:

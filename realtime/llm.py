@@ -30,26 +30,29 @@ class LLMConfig:
         return url if url.endswith("/chat/completions") else url + "/chat/completions"
 
 
-async def stream_chat(config: LLMConfig, messages: list[dict[str, str]]) -> AsyncIterator[str]:
+def new_http_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+
+
+async def stream_chat(client: httpx.AsyncClient, config: LLMConfig,
+                      messages: list[dict[str, str]]) -> AsyncIterator[str]:
     """The reply's text pieces as the LLM writes them."""
     body = {"model": config.model, "stream": True,
             "messages": ([{"role": "system", "content": config.system_prompt}] if config.system_prompt else [])
             + messages}
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            async with client.stream("POST", config.endpoint, json=body, headers=headers) as response:
-                if response.status_code != 200:
-                    detail = (await response.aread()).decode("utf-8", "replace")[:200]
-                    raise LLMError(f"the LLM answered HTTP {response.status_code}: {detail}")
-                async for line in response.aiter_lines():
-                    piece = _delta(line)
-                    if piece is _DONE:
-                        return
-                    if piece:
-                        yield piece
-    except httpx.HTTPError as failure:
+        async with client.stream("POST", config.endpoint, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode("utf-8", "replace")[:200]
+                raise LLMError(f"the LLM answered HTTP {response.status_code}: {detail}")
+            async for line in response.aiter_lines():
+                piece = _delta(line)
+                if piece is _DONE:
+                    return
+                if piece:
+                    yield piece
+    except (httpx.HTTPError, httpx.InvalidURL) as failure:
         raise LLMError(f"the LLM at {config.endpoint} failed: {type(failure).__name__}: {failure}") from None
 
 
@@ -67,6 +70,6 @@ def _delta(line: str) -> str | object | None:
         chunk: Any = json.loads(data)
         if "error" in chunk:
             raise LLMError(f"the LLM reported an error: {str(chunk['error'])[:200]}")
-        return chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+        return (chunk["choices"][0].get("delta") or {}).get("content") if chunk.get("choices") else None
     except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
         raise LLMError(f"the LLM sent an event that is not a chat completion chunk: {data[:120]!r}") from None

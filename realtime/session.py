@@ -23,6 +23,7 @@ from realtime.voices import VoiceError
 log = logging.getLogger("voxgate")
 SHUTDOWN_GRACE_S = 5.0
 ABORT_GRACE_S = 2.0
+MAX_CLOSED_IDS = 10000
 
 
 class RateLimiter:
@@ -52,6 +53,7 @@ class Session:
         self.finished: dict[str, float] = {}  # closed context id -> audio sent (ms)
         self.text_started = False
         self.closing = False
+        self.closed = False  # the socket is gone
         self._stream_ids = 0
         self._slow_warned = False
         self._limiter = RateLimiter(self.limits.max_message_rate)
@@ -84,6 +86,7 @@ class Session:
                     await self.ws.close(code, reason)
                 except (RuntimeError, WebSocketDisconnect, OSError):
                     pass
+            self.closed = True
             self._ended.set()
 
     async def _reader(self) -> None:
@@ -157,15 +160,24 @@ class Session:
 
     # --- messages ------------------------------------------------------------------------------------------------
 
-    def inject(self, message: dict[str, Any]) -> None:
+    def inject(self, message: dict[str, Any]) -> bool:
         """A message on the client's behalf from the server's LLM proxy (`/v1/chat`): validated and handled like the
-        client's own, its errors sent to the client, but outside the client's message rate."""
-        self._handle_text(json.dumps(message), rate_limited=False)
+        client's own, its errors sent to the client, but outside the client's message rate. False if it was
+        refused (or the session is closed)."""
+        if self.closed:
+            return False
+        self._last_activity = time.monotonic()
+        return self._handle_text(json.dumps(message), rate_limited=False)
 
     def context_open(self, context_id: str) -> bool:
-        return context_id in self.contexts and not self.contexts[context_id].cancelled
+        return not self.closed and context_id in self.contexts and not self.contexts[context_id].cancelled
 
-    def _handle_text(self, text: str, rate_limited: bool = True) -> None:
+    def takes_text_for(self, context_id: str) -> bool:
+        """Whether text for this context would still be spoken (it is open or not yet created)."""
+        return not self.closed and context_id not in self.finished and (
+            context_id not in self.contexts or self.context_open(context_id))
+
+    def _handle_text(self, text: str, rate_limited: bool = True) -> bool:
         event_id = None
         try:
             if rate_limited and not self._limiter.allow():
@@ -176,11 +188,13 @@ class Session:
             if self.closing:
                 raise ProtocolError("invalid_message", "the session is closing; no new messages are accepted")
             getattr(self, "_on_" + message["type"].replace(".", "_"))(message)
+            return True
         except ProtocolError as failure:
             self._error(failure, event_id=event_id)
         except Exception:  # a bug must not take the session down, let alone the server
             log.exception("session %s: internal error", self.id)
             self._error(ProtocolError("internal", "internal server error"), event_id=event_id)
+        return False
 
     def _on_session_start(self, message: dict[str, Any]) -> None:
         if self.text_started:
@@ -223,7 +237,8 @@ class Session:
                 self._cancel_one(open_id, "client", message)
         elif context_id in self.contexts:
             self._cancel_one(context_id, "client", message)
-        else:  # unknown or finished: acked all the same (idempotent)
+        else:  # unknown or finished: acked all the same (idempotent), and the id is closed from now on
+            self._close_id(context_id, self.finished.get(context_id, 0.0))
             self._queue(event("context.cancelled", context_id=context_id, reason="client",
                               audio_sent_ms=round(self.finished.get(context_id, 0.0), 3),
                               event_id=message.get("event_id")))
@@ -297,18 +312,25 @@ class Session:
     def _finished(self, context: ContextStream) -> None:
         if self.contexts.pop(context.context_id, None) is not None:
             self.gateway.metrics.contexts_active.dec()
-        self.finished[context.context_id] = context.stats.audio_sent_ms
+        self._close_id(context.context_id, context.stats.audio_sent_ms)
 
     def _cancel_one(self, context_id: str, reason: str, message: dict | None = None) -> None:
         context = self.contexts.pop(context_id)
         self.gateway.metrics.contexts_active.dec()
         context.cancel()
-        self.finished[context_id] = context.stats.audio_sent_ms
+        self._close_id(context_id, context.stats.audio_sent_ms)
         played_ms = (message or {}).get("played_ms")
         ack = event("context.cancelled", context_id=context_id, audio_sent_ms=round(context.stats.audio_sent_ms, 3),
                     reason=reason, heard_text=context.heard_text(played_ms) if played_ms is not None else None,
                     event_id=(message or {}).get("event_id"))
         self._queue(ack)
+
+    def _close_id(self, context_id: str, audio_sent_ms: float) -> None:
+        """The id cannot be used again; only the newest MAX_CLOSED_IDS are remembered, so memory stays bounded."""
+        self.finished.pop(context_id, None)
+        self.finished[context_id] = audio_sent_ms
+        if len(self.finished) > MAX_CLOSED_IDS:
+            del self.finished[next(iter(self.finished))]
 
     def _slow(self, past_hard_limit: bool) -> None:
         if past_hard_limit:

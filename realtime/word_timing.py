@@ -62,7 +62,9 @@ class WordTimeline:
                 start = max(self._cursor_s, audio_end_s)
                 end = start + nominal_duration_s(word)
                 timed.append(Word(word, start, end, token.end()))
-                self._cursor_s = end + PAUSES_S.get(word[-1], 0.0)
+                self._cursor_s = end
+            if word:  # punctuation, attached or standing alone ("你好，世界"), pauses
+                self._cursor_s += PAUSES_S.get(word[-1], 0.0)
         self.words += timed
         return timed
 

@@ -47,8 +47,8 @@ def create_app(llm: FakeLLM) -> Starlette:
                     chunk = {"object": "chat.completion.chunk", "model": body["model"],
                              "choices": [{"index": 0, "delta": {"content": token}, "finish_reason": None}]}
                     yield f"data: {json.dumps(chunk)}\n\n"
+                call.outcome = "complete"  # before [DONE], after which the client may close at once
                 yield "data: [DONE]\n\n"
-                call.outcome = "complete"
             finally:
                 if call.outcome == "streaming":
                     call.outcome = "cancelled"

@@ -179,3 +179,53 @@ def test_without_an_llm_or_with_an_llm_that_fails():
         ready, answers = asyncio.run(go(broken))
         assert answers[0]["code"] == "llm_error" and "127.0.0.1:9" in answers[0]["message"]
         assert answers[-1] == {"type": "chat.done", "id": "r", "text": "", "reason": "error"}
+
+
+def test_barge_in_before_the_first_token_an_overlong_reply_and_a_closed_audio_socket():
+    async def early_cancel(server, llm):
+        tts, session_id, chat, _ = await open_pair(server)
+        llm.token_delay_s = 0.5
+        await chat.send(json.dumps({"type": "chat.request", "id": "a", "session_id": session_id, "context_id": "ca",
+                                    "messages": [{"role": "user", "content": "Hi"}]}))
+        await tts.send(json.dumps({"type": "context.cancel", "context_id": "ca", "played_ms": 0}))
+        assert (await receive(tts))["type"] == "context.cancelled"
+        done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
+        assert done["reason"] == "cancelled" and done["text"] == ""
+        await tts.send(json.dumps({"type": "ping", "id": 1}))
+        assert [e["type"] for e in await until(tts, lambda e: e["type"] == "pong")] == ["pong"]  # never started
+        await tts.close()
+        await chat.close()
+
+    async def overlong(server, llm):
+        tts, session_id, chat, _ = await open_pair(server)
+        llm.token_delay_s = 0.01
+        await chat.send(json.dumps({"type": "chat.request", "id": "b", "session_id": session_id, "context_id": "cb",
+                                    "messages": [{"role": "user", "content": "Hi"}]}))
+        done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
+        assert done["reason"] == "error" and 0 < len(done["text"]) <= 40
+        spoken = await until(tts, lambda e: e["type"] == "context.done")
+        assert [e["code"] for e in spoken if e["type"] == "error"] == ["text_too_long"]  # one error, not one a token
+        await tts.close()
+        await chat.close()
+
+    async def audio_socket_closes(server, llm):
+        tts, session_id, chat, _ = await open_pair(server)
+        llm.token_delay_s = 0.05
+        await chat.send(json.dumps({"type": "chat.request", "id": "c", "session_id": session_id, "context_id": "cc",
+                                    "messages": [{"role": "user", "content": "Hi"}]}))
+        await until(chat, lambda e: e["type"] == "chat.delta")
+        await tts.close()
+        done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
+        assert done["reason"] == "cancelled"
+        for _ in range(100):
+            if server.metric("voxgate_contexts_active") == 0 and llm.calls[-1].outcome == "cancelled":
+                break
+            await asyncio.sleep(0.05)
+        assert server.metric("voxgate_contexts_active") == 0 and llm.calls[-1].outcome == "cancelled"
+        await chat.close()
+
+    with running_fake_llm(LONG_REPLY) as llm, \
+            running_server(Limits(api_keys=("k",), max_text_chars=40), llm=LLMConfig(llm.url, "m")) as server:
+        asyncio.run(early_cancel(server, llm))
+        asyncio.run(overlong(server, llm))
+        asyncio.run(audio_socket_closes(server, llm))

@@ -8,8 +8,7 @@ from realtime.word_timing import WordTimeline, nominal_duration_s
 
 def test_words_are_timed_once_complete_and_in_order():
     timeline = WordTimeline()
-    assert timeline.add(0, "Hello wor", final=False, audio_end_s=0.0) == [w for w in timeline.words]
-    assert [w.text for w in timeline.words] == ["Hello"]  # "wor" may go on
+    assert [w.text for w in timeline.add(0, "Hello wor", final=False, audio_end_s=0.0)] == ["Hello"]  # "wor" goes on
     words = timeline.add(0, "ld, **how** are", final=False, audio_end_s=0.1)
     assert [w.text for w in words] == ["world,", "how"]  # markup stripped from the edges
     words = timeline.add(0, " you?", final=True, audio_end_s=0.2)
@@ -35,6 +34,8 @@ def test_chinese_characters_are_words_and_punctuation_alone_is_not():
     words = timeline.add(0, "你好，世界 - ok", final=True, audio_end_s=0.0)
     assert [w.text for w in words] == ["你", "好", "世", "界", "ok"]
     assert words[1].end_s - words[1].start_s == pytest.approx(0.22)
+    assert words[2].start_s - words[1].end_s == pytest.approx(0.15)  # the full-width comma's pause
+    assert words[1].start_s == words[0].end_s
 
 
 def test_heard_text_is_the_text_up_to_the_last_word_half_played():

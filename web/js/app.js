@@ -16,7 +16,8 @@ const demo = window.voxgateDemo = {
 };
 const history = [];
 let player, tts, chat;
-let turn = null; // {id, sentAt, playedAtStart, bubble, stopped, chatDone}
+let turn = null; // the latest message's answer: {id, sentAt, playedAtStart, bubble, stopped, done, ...}
+const turnsById = new Map();
 let turns = 0;
 
 function withToken(url) {
@@ -34,7 +35,10 @@ async function main() {
     await player.start();
     player.onStats = showStats;
     tts = new TtsSession(withToken(`${wsBase}/v1/tts/stream`), useOpus, {onEvent, onAudio, onFrame, onEnd});
-    demo.sessionId = (await tts.started).session_id;
+    const started = await tts.started;
+    demo.sessionId = started.session_id;
+    // the page may be silent for long between messages: keep the session from timing out
+    setInterval(() => tts.send({type: "keepalive"}), started.limits.idle_timeout_s * 1000 / 3);
     chat = new ChatSocket(withToken(`${wsBase}/v1/chat`), {onDelta, onDone, onError: (m) => showError(m)});
     demo.llm = (await chat.ready).llm;
     $("note").textContent = demo.llm
@@ -66,7 +70,8 @@ async function send(text) {
   const id = `turn-${++turns}`;
   addBubble("user", text);
   turn = {id, sentAt: performance.now(), playedAtStart: demo.played, bubble: addBubble("assistant", ""),
-          stopped: false, chatDone: !demo.llm, recorded: !demo.llm, firstAudio: false};
+          stopped: false, done: false, chatDone: !demo.llm, recorded: !demo.llm, firstAudio: false};
+  turnsById.set(id, turn);
   history.push({role: "user", content: text});
   const voice = {voice: $("voice").value, language: $("language").value};
   if (demo.llm) {
@@ -83,6 +88,7 @@ async function send(text) {
 function bargeIn() {
   if (!turn || turn.stopped) return;
   turn.stopped = true;
+  if (turn.done && !player.stats.playing && player.stats.buffered === 0) return; // it had finished: nothing to stop
   player.clear();
   tts.cancel(turn.id, (demo.played - turn.playedAtStart) / OUTPUT_RATE * 1000);
   if (!turn.chatDone) chat.cancel(turn.id);
@@ -105,7 +111,16 @@ function onDone(id, text, reason) {
 function remember(answered, text) {
   if (answered.recorded) return;
   answered.recorded = true;
-  if (text) history.push({role: "assistant", content: text});
+  answered.entry = {role: "assistant", content: text};
+  if (text) history.push(answered.entry);
+}
+
+// A barged-in answer enters the history as far as it was heard (the server's estimate from played_ms).
+function rememberHeard(contextId, heardText) {
+  const answered = turnsById.get(contextId);
+  turnsById.delete(contextId);
+  if (!answered?.entry || heardText === undefined || !demo.llm) return;
+  answered.entry.content = heardText ? `${heardText}…` : "…";
 }
 
 function onFrame(contextId, bytes) {
@@ -131,9 +146,14 @@ function onEnd(contextId) {
 function onEvent(message) {
   if (message.type === "context.done") {
     demo.serverTtfaMs = message.metrics?.ttfa_ms ?? null;
-    if (turn && turn.id === message.context_id) setStatus("done");
+    turnsById.delete(message.context_id);
+    if (turn && turn.id === message.context_id) {
+      turn.done = true;
+      setStatus("done");
+    }
   } else if (message.type === "context.cancelled") {
     demo.cancelAcks += 1;
+    rememberHeard(message.context_id, message.heard_text);
   } else if (message.type === "error" || message.type === "warning") {
     showError(message);
   } else if (message.type === "socket.closed") {

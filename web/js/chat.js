@@ -7,7 +7,10 @@ export class ChatSocket {
     this.ws = new WebSocket(url);
     this.ready = new Promise((resolve, reject) => {
       this.ws.onerror = () => reject(new Error("the chat socket failed"));
-      this.ws.onclose = (event) => reject(new Error(`the chat socket closed (${event.code} ${event.reason})`));
+      this.ws.onclose = (event) => {
+        reject(new Error(`the chat socket closed (${event.code} ${event.reason})`));
+        handlers.onError({code: "closed", message: `the chat socket closed (${event.code})`});
+      };
       this.ws.onmessage = (event) => {
         const message = JSON.parse(event.data);
         if (message.type === "chat.ready") resolve(message);

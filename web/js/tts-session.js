@@ -59,8 +59,12 @@ export class TtsSession {
       this.contexts.set(message.stream_id, context);
       this.byId.set(message.context_id, context);
     } else if (message.type === "context.done" || message.type === "context.cancelled") {
-      const context = this.byId.get(message.context_id);
+      const context = this.byId.get(message.context_id); // no frame of it follows either event
       if (context && message.type === "context.cancelled") this.drop(context);
+      if (context) {
+        this.contexts.delete(context.stream);
+        this.byId.delete(context.id);
+      }
     }
     this.handlers.onEvent(message);
   }
@@ -108,17 +112,18 @@ export class TtsSession {
   }
 
   async finish(context) {
-    if (context.decoder) {
-      await context.decoder.flush().catch(() => {});
-      context.decoder.close();
-      context.decoder = null;
+    const decoder = context.decoder;
+    context.decoder = null;
+    if (decoder) {
+      await decoder.flush().catch(() => {}); // fails only if a barge-in closed it meanwhile
+      if (decoder.state !== "closed") decoder.close();
     }
     if (!context.dropped) this.handlers.onEnd(context.id);
   }
 
   drop(context) {
     context.dropped = true;
-    if (context.decoder && context.decoder.state !== "closed") context.decoder.close();
+    if (context.decoder) context.decoder.close();
     context.decoder = null;
   }
 }
