@@ -118,3 +118,13 @@ def test_without_an_llm_the_page_speaks_what_is_typed_over_pcm_where_opus_is_mis
         assert state["serverTtfaMs"] > 0 and state["errors"] == [] and page.thrown == []
         assert abs(state["bytes"] / 2 - state["decodedSamples"]) == 0  # PCM s16le at 48 kHz, as played
         page.close()
+
+
+def test_a_voice_design_model_speaks_with_the_instructions_the_page_fills_in(browser, tiny_checkpoints):
+    with running_server(Limits(), model=tiny_checkpoints["voice_design"]) as server:
+        page = open_demo(browser, server.http + "/")
+        assert page.input_value("#voice") == "design" and page.input_value("#instructions")
+        say(page, "Hello.")
+        page.wait_for_function("window.voxgateDemo.played > 4800", timeout=120_000)
+        assert demo(page)["errors"] == [] and page.thrown == []
+        page.close()

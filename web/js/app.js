@@ -59,6 +59,10 @@ function fillVoices(catalog) {
   const languages = () => {
     const chosen = catalog.voices.find((v) => v.id === voice.value);
     language.replaceChildren(...["auto", ...(chosen?.languages || [])].map((l) => new Option(l, l)));
+    const instructions = $("instructions");
+    instructions.disabled = chosen?.instructions === false; // this voice takes none
+    if (instructions.disabled) instructions.value = "";
+    if (chosen?.instructions === "required" && !instructions.value) instructions.value = "A clear, friendly voice.";
   };
   voice.onchange = languages;
   languages();
@@ -74,6 +78,8 @@ async function send(text) {
   turnsById.set(id, turn);
   history.push({role: "user", content: text});
   const voice = {voice: $("voice").value, language: $("language").value};
+  const instructions = $("instructions").value.trim();
+  if (instructions) voice.instructions = instructions;
   if (demo.llm) {
     chat.request({id, session_id: demo.sessionId, context_id: id, messages: history.slice(-MAX_HISTORY), ...voice});
   } else {
