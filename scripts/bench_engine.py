@@ -15,6 +15,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.engine import AudioChunk, Engine, EngineConfig, SynthesisRequest  # noqa: E402
 from engine.random_checkpoint import write_random_checkpoint  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.sampling import MIN_NEW_FRAMES, SamplingParams  # noqa: E402
 from engine.simulator import llm_token_times  # noqa: E402
 from engine.tts import TTSModel, VoiceRequest  # noqa: E402
 from engine.utterances import UtterancePlanner  # noqa: E402
@@ -245,6 +246,9 @@ class Bench:
                     gpu_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None)
 
     def streaming(self) -> list[dict]:
+        self.engine()
+        for _ in range(self.args.busy_threads):  # from here on: the engine is built
+            threading.Thread(target=_spin, daemon=True).start()
         return [self.streaming_sessions(sessions, rate, buffering) for rate in self.args.token_rates
                 for sessions in self.args.sessions for buffering in self.args.buffering]
 
@@ -259,6 +263,8 @@ class Bench:
                    for i in range(sessions)]
         contexts: list[dict] = []
         by_request: dict[int, tuple[StreamingSession, dict]] = {}
+        running: list[int] = []
+        step_seconds: list[float] = []
         start = time.perf_counter()
 
         def record(events: list) -> None:
@@ -281,7 +287,10 @@ class Bench:
                         by_request[client.context["request_id"]] = (client, client.context)
             self._note_holds(engine, by_request, now)
             if engine.has_work():
+                running.append(len(engine.running))  # what the gateway's voxgate_engine_step_batch counts
+                step_started = time.perf_counter()
                 record(engine.step(on_audio=record))
+                step_seconds.append(time.perf_counter() - step_started)
             else:
                 wake = min([c.next_event() for c in clients] + [self.args.duration])
                 time.sleep(max(0.0, min(wake - now, 0.002)))
@@ -300,7 +309,9 @@ class Bench:
                     never_underrun=1 - len(late) / max(1, len(done)), underruns_late_ms_at_frame_of=late[:20],
                     holds_per_stream=len(holds) / max(1, len(done)),
                     hold_ms_p50=percentile(holds, 50) * 1e3, hold_ms_p95=percentile(holds, 95) * 1e3,
-                    hold_ms_max=max(holds, default=0.0) * 1e3)
+                    hold_ms_max=max(holds, default=0.0) * 1e3, streaming_lengths=self.args.streaming_lengths,
+                    step_ms_mean=1e3 * sum(step_seconds) / max(1, len(step_seconds)),
+                    running_mean=sum(running) / max(1, len(running)))
 
     @staticmethod
     def _note_holds(engine: Engine, by_request: dict, now: float) -> None:
@@ -344,6 +355,9 @@ class StreamingSession:
         if context["request_id"] is None and utterance is not None and (planner.start_due(now) or utterance.started):
             request = replace(self.bench.request(context["frames"], context["seed"], utterance.text),
                               text_complete=False)
+            if self.bench.args.streaming_lengths == "guard":  # as the gateway: the runaway guard ends it
+                request = replace(request, max_frames=None,
+                                  sampling=replace(request.sampling, min_new_frames=MIN_NEW_FRAMES))
             context["request_id"] = engine.submit(request)
             context["started_at"], context["sent"] = now, len(utterance.text)
         elif context["request_id"] is not None and len(utterance.text) > context["sent"]:
@@ -365,6 +379,12 @@ class StreamingSession:
         return self.context["times"][given] if given < len(self.context["times"]) else float("inf")
 
 
+def _spin() -> None:
+    """Pure Python work that holds the GIL, as a server's event loop and encoder threads do beside the engine."""
+    while True:
+        sum(range(1000))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1b7", choices=["0b6", "1b7", "tiny"])
@@ -379,6 +399,10 @@ def main() -> None:
                         type=lambda s: [tuple(float(x) for x in r.split("-")) for r in s.split(",")],
                         help="LLM text rates in tokens/s, each a range LOW-HIGH drawn per answer")
     parser.add_argument("--buffering", type=lambda s: s.split(","), default=["auto"])
+    parser.add_argument("--busy-threads", type=int, default=0,
+                        help="Python threads spinning beside the engine (its sensitivity to the GIL)")
+    parser.add_argument("--streaming-lengths", choices=["fixed", "guard"], default="fixed",
+                        help="streaming: 2-12 s per context, or until the runaway guard (random weights: as served)")
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--chunk-frames", type=int, default=4)
