@@ -131,3 +131,5 @@ def test_serve_refuses_bad_limits():
     assert run.returncode == 2 and "--max-sessions must be at least 1" in run.stderr
     run = voxgate("serve", "--clone-voice", "nobody")
     assert run.returncode == 2 and "NAME=WAV" in run.stderr
+    run = voxgate("serve", "--llm-url", "http://127.0.0.1:9/v1")
+    assert run.returncode == 2 and "--llm-url and --llm-model go together" in run.stderr
