@@ -9,7 +9,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
@@ -93,13 +93,17 @@ def create_app(gateway: Gateway) -> Starlette:
             return
         await ChatSocket(websocket, gateway, gateway.options.llm).run()
 
+    async def demo_page(request: Request) -> Response:
+        return FileResponse(WEB_DIR / "index.html")
+
     routes = [
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
         WebSocketRoute("/v1/tts/stream", stream), WebSocketRoute("/v1/chat", chat),
     ]
-    if WEB_DIR.is_dir():  # the browser demo
-        routes.append(Mount("/", StaticFiles(directory=WEB_DIR, html=True)))
+    if WEB_DIR.is_dir():  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
+        routes += [Route("/", demo_page),
+                   Mount("/static", StaticFiles(directory=WEB_DIR))]
     return Starlette(routes=routes, lifespan=lifespan)
 
 

@@ -431,6 +431,9 @@ def test_http_speech_voices_health_ready_metrics(server):
     voices = json.loads(body)
     assert status == 200 and voices["default"] == "vivian" and {"id", "variant", "languages"} <= set(voices["voices"][0])
     assert server.get("/v1/voices")[0] == 401
+    status, page = server.get("/")
+    assert status == 200 and b"static/js/app.js" in page and server.get("/static/js/app.js")[0] == 200
+    assert server.get("/v1/audio/speech")[0] == 405 and server.get("/nothing-here")[0] == 404
     status, headers, wav = server.post("/v1/audio/speech", {"model": "tts-1", "input": "Hello.", "voice": "ryan"},
                                        token)
     audio, rate = sf.read(io.BytesIO(wav))
