@@ -77,6 +77,11 @@ class AsyncEngine:
     def active(self) -> int:
         return len(self._streams)
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self.engine.waiting)
+
     def submit(self, request: SynthesisRequest) -> RequestStream:
         """Queue a request; raises `RequestError` / `EngineFull` at once, or `RuntimeError` after a failure."""
         if self.error is not None:

@@ -97,6 +97,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="a voice cloned from a reference audio (Base models; repeatable)")
     p.add_argument("--allowed-origin", action="append", default=[], help="browser Origin allowed (none: any)")
     p.add_argument("--max-batch", type=int, help="engine slots (default: 64 on a GPU, 8 on the CPU)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--engine-process", choices=["auto", "on", "off"], default="auto",
+                   help="run the engine in its own process (auto: on a GPU), away from the gateway's threads")
     p.add_argument("--llm-url", help="OpenAI-compatible API base for the demo's chat (e.g. http://localhost:11434/v1)")
     p.add_argument("--llm-model", help="the model name sent to --llm-url")
     p.add_argument("--llm-api-key", help="API key for --llm-url")
@@ -126,7 +130,9 @@ def run_serve(args: argparse.Namespace) -> None:
         raise VoxgateError("--llm-url and --llm-model go together")
     llm = LLMConfig(args.llm_url, args.llm_model, args.llm_api_key, args.llm_system_prompt) if args.llm_url else None
     try:
-        serve(GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm), args.host, args.port)
+        serve(GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm, dtype=args.dtype,
+                             engine_process={"auto": None, "on": True, "off": False}[args.engine_process]),
+              args.host, args.port)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop
         pass
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.async_engine import AsyncEngine
+from engine.engine_process import EngineSpec, ProcessEngine
 from engine.engine import Engine, EngineConfig, Finished, SynthesisRequest
 from engine.model_source import resolve_model
 from engine.prompt import Voice
@@ -52,6 +53,8 @@ class GatewayOptions:
     max_batch: int | None = None  # engine slots; None: 64 on a GPU, 8 on the CPU
     clean_text: bool = True  # LLM output: markdown and emoji are not read out
     llm: LLMConfig | None = None  # the chat endpoint's LLM (/v1/chat); None: the demo speaks what the user types
+    dtype: str = "auto"  # "auto": bfloat16 on a GPU, float32 on the CPU
+    engine_process: bool | None = None  # the engine in a child process; None: on a GPU
 
 
 class Gateway:
@@ -64,13 +67,13 @@ class Gateway:
         self.tts: TTSModel | None = None
         self._model_name = "loading"
         self.voices: VoiceCatalog | None = None
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | ProcessEngine | None = None
         self.sessions: set = set()
         self.shutting_down = False
         self.metrics.sessions_active.set_function(lambda: len(self.sessions))
         self.metrics.engine_requests_active.set_function(lambda: self.engine.active if self.engine else 0)
         self.metrics.engine_queue_depth.set_function(
-            lambda: len(self.engine.engine.waiting) if self.engine else 0)
+            lambda: self.engine.waiting if self.engine else 0)
         self._loaded = asyncio.Event()
 
     def session(self, session_id: str):
@@ -90,9 +93,7 @@ class Gateway:
             self.tts, self.voices = await asyncio.to_thread(self._load)
             log.info("model %s (%s) loaded in %.1f s; building the engine", self.model_name,
                      self.voices.variant, time.perf_counter() - started)
-            engine = await asyncio.to_thread(Engine, self.tts, self._engine_config())
-            self.engine = AsyncEngine(engine, on_step=self.metrics.on_step)
-            self.engine.start()
+            await self._start_engine()
             self.state = "warming up"
             log.info("warming up")
             await self._warm_up()
@@ -108,12 +109,35 @@ class Gateway:
         from engine.random_checkpoint import default_model_dir
 
         model_dir, name = resolve_model(self.options.model or default_model_dir())
-        tts = TTSModel.load(model_dir, device=self.options.device)
+        tts = TTSModel.load(model_dir, device=self.options.device, dtype=self._dtype())
         self._model_name = name
         return tts, VoiceCatalog(tts, list(self.options.clone_voices))
 
+    def _gpu(self) -> bool:
+        return torch.device(self.options.device).type == "cuda"
+
+    def _dtype(self) -> torch.dtype:
+        """bf16 on a GPU (what the benchmarks measure), fp32 on the CPU, unless asked otherwise."""
+        if self.options.dtype == "auto":
+            return torch.bfloat16 if self._gpu() else torch.float32
+        return getattr(torch, self.options.dtype)
+
+    async def _start_engine(self) -> None:
+        """The engine on a thread of this process, or in a process of its own (on a GPU by default: the gateway's
+        threads would otherwise starve the step of the GIL; engine/engine_process.py says why)."""
+        in_process = self.options.engine_process if self.options.engine_process is not None else self._gpu()
+        if in_process:
+            spec = EngineSpec(self.tts.model_dir, self.options.device, self._dtype(), self._engine_config())
+            self.engine = ProcessEngine(spec, on_step=self.metrics.on_step)
+            self.engine.start()
+            await self.engine.ready()
+        else:
+            engine = await asyncio.to_thread(Engine, self.tts, self._engine_config())
+            self.engine = AsyncEngine(engine, on_step=self.metrics.on_step)
+            self.engine.start()
+
     def _engine_config(self) -> EngineConfig:
-        gpu = torch.device(self.options.device).type == "cuda"
+        gpu = self._gpu()
         slots = self.options.max_batch or (64 if gpu else 8)
         if gpu:
             return EngineConfig(max_batch=slots, step_mode="graphs", attention_backend="triton",

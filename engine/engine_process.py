@@ -1,0 +1,257 @@
+"""The engine in a process of its own, behind the same API as `AsyncEngine`.
+
+Why: PyTorch releases the GIL around every op, so a step hands the GIL over hundreds of times, and each time
+another thread of the process holds it (a server's event loop, its audio encoders), getting it back can take the
+whole 5 ms switch interval. On the GPU that doubled the gateway's step at 10 sessions, and one busy Python thread
+made it 124 times slower (docs/benchmarks.md, "Same batch, twice the step"). In a child process nothing competes.
+
+The child (spawned) loads the model and runs the step loop; the parent sends commands through a pipe (submit with
+the whole request, text, end of text, cancel) and a reader thread turns what comes back (audio, finishes, step
+times) into each request's `RequestStream` on the event loop. Request ids are the parent's. A request the child
+refuses ends with `Finished(reason="error")` instead of raising at submit.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from engine.async_engine import RequestStream
+import torch
+
+from engine.engine import Engine, EngineConfig, Event, Finished, SynthesisRequest
+from engine.errors import RequestError
+
+IDLE_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the child needs to build the engine: the model as `TTSModel.load` takes it, and the engine config."""
+    model_dir: Path
+    device: str
+    dtype: torch.dtype
+    config: EngineConfig
+
+
+class ProcessEngine:
+    def __init__(self, spec: EngineSpec, on_step: Callable[[float, int], None] | None = None) -> None:
+        """`on_step(seconds, batch)` is called after every step of the child (metrics)."""
+        self.spec = spec
+        self.on_step = on_step
+        self.error: str | None = None
+        self.last_step_started: float | None = None  # set while the child runs a step: a stall shows here
+        self.waiting = 0  # requests queued in the child for a slot, as of its last step
+        self._streams: dict[int, RequestStream] = {}
+        self._next_id = 0
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn: Connection | None = None
+        self._process: multiprocessing.Process | None = None
+        self._reader: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    def start(self) -> None:
+        """Spawn the child; `ready()` waits until its engine is built."""
+        self._loop = asyncio.get_running_loop()
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_child_main, args=(child_conn, self.spec), name="voxgate-engine",
+                                        daemon=True)
+        self._process.start()
+        child_conn.close()
+        self._reader = threading.Thread(target=self._read, name="voxgate-engine-reader", daemon=True)
+        self._reader.start()
+
+    async def ready(self) -> None:
+        await asyncio.to_thread(self._ready.wait)
+        if self.error is not None:
+            raise RuntimeError(f"the engine process failed: {self.error}")
+
+    async def stop(self) -> None:
+        if self._process is None:
+            return
+        self._send(("stop",))
+        await asyncio.to_thread(self._process.join, 10)
+        if self._process.is_alive():
+            self._process.kill()
+
+    @property
+    def active(self) -> int:
+        return len(self._streams)
+
+    def submit(self, request: SynthesisRequest) -> RequestStream:
+        if self.error is not None:
+            raise RuntimeError(f"the engine has failed: {self.error}")
+        self._next_id += 1
+        stream = RequestStream(self._next_id, self)
+        self._streams[self._next_id] = stream
+        self._send(("submit", self._next_id, request))
+        return stream
+
+    def append_text(self, request_id: int, text: str) -> None:
+        self._send(("append", request_id, text))
+
+    def end_text(self, request_id: int) -> None:
+        self._send(("end", request_id))
+
+    def _cancel(self, request_id: int) -> bool:
+        running = self._streams.pop(request_id, None) is not None
+        self._send(("cancel", request_id))
+        return running
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError):  # the child is gone: the reader reports it
+            pass
+
+    # --- the reader thread -------------------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "events":
+                    self._publish(message[1])
+                elif kind == "step_started":
+                    self.last_step_started = time.monotonic()
+                elif kind == "step":
+                    self.last_step_started = None
+                    _, seconds, batch, self.waiting = message
+                    if self.on_step is not None:
+                        self.on_step(seconds, batch)
+                elif kind == "ready":
+                    self._ready.set()
+                elif kind == "failed":
+                    self._fail(message[1])
+                elif kind == "stopped":
+                    return
+        except (EOFError, OSError):
+            self._fail("the engine process exited")
+        finally:
+            self._ready.set()
+
+    def _publish(self, events: list[Event]) -> None:
+        streams = {event.request_id: self._streams.get(event.request_id) for event in events}
+        for event in events:
+            if isinstance(event, Finished):
+                self._streams.pop(event.request_id, None)
+        self._loop.call_soon_threadsafe(_dispatch, events, streams)
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+        failed = list(self._streams.values())
+        self._streams.clear()
+        events = [Finished(s.request_id, "error", 0, message) for s in failed]
+        self._loop.call_soon_threadsafe(_dispatch, events, {s.request_id: s for s in failed})
+
+
+def _dispatch(events: list[Event], streams: dict[int, RequestStream | None]) -> None:
+    for event in events:
+        stream = streams[event.request_id]
+        if stream is not None:
+            stream._deliver(event)
+
+
+# --- the child ---------------------------------------------------------------------------------------------------
+
+def _child_main(conn: Connection, spec: EngineSpec) -> None:
+    from engine.tts import TTSModel
+
+    try:
+        engine = Engine(TTSModel.load(spec.model_dir, device=spec.device, dtype=spec.dtype), spec.config)
+    except Exception as failure:  # reported to the parent, whose readiness turns it into a 503
+        conn.send(("failed", f"{type(failure).__name__}: {failure}"))
+        return
+    conn.send(("ready",))
+    _ChildLoop(conn, engine).run()
+
+
+class _ChildLoop:
+    """The step loop: commands between steps, events out as soon as a step has them."""
+
+    def __init__(self, conn: Connection, engine: Engine) -> None:
+        self.conn, self.engine = conn, engine
+        self.engine_id: dict[int, int] = {}  # parent id -> engine id
+        self.parent_id: dict[int, int] = {}
+
+    def run(self) -> None:
+        while self._apply_commands(wait_s=0.0 if self.engine.has_work() else IDLE_POLL_S):
+            if not self.engine.has_work():
+                continue
+            self.conn.send(("step_started",))
+            started, batch = time.monotonic(), len(self.engine.running)
+            try:
+                self._send_events(self.engine.step(on_audio=self._send_events))
+            except Exception as failure:  # a device failure: the parent fails every request
+                self.conn.send(("failed", f"{type(failure).__name__}: {failure}"))
+                return
+            self.conn.send(("step", time.monotonic() - started, batch, len(self.engine.waiting)))
+        self.conn.send(("stopped",))
+
+    def _apply_commands(self, wait_s: float) -> bool:
+        """Apply what the parent sent; False once it asked to stop (or went away)."""
+        try:
+            while self.conn.poll(wait_s):
+                wait_s = 0.0
+                message = self.conn.recv()
+                if message[0] == "stop":
+                    return False
+                self._apply(message)
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _apply(self, message: tuple) -> None:
+        kind, parent_id = message[0], message[1]
+        if kind == "submit":
+            try:
+                engine_id = self.engine.submit(message[2])
+            except Exception as failure:  # a refused request (RequestError, EngineFull) ends with its reason
+                self.conn.send(("events", [Finished(parent_id, "error", 0, str(failure))]))
+                return
+            self.engine_id[parent_id], self.parent_id[engine_id] = engine_id, parent_id
+            return
+        engine_id = self.engine_id.get(parent_id)
+        if engine_id is None:
+            return  # finished already
+        if kind == "append":
+            self._moot(self.engine.append_text, engine_id, message[2])
+        elif kind == "end":
+            self._moot(self.engine.end_text, engine_id)
+        elif kind == "cancel":
+            self.engine.cancel(engine_id)
+            self._forget(engine_id)
+
+    @staticmethod
+    def _moot(command: Callable, *args) -> None:
+        """A command for a request that finished meanwhile is moot."""
+        try:
+            command(*args)
+        except RequestError:
+            pass
+
+    def _send_events(self, events: list[Event]) -> None:
+        out = []
+        for event in events:
+            parent_id = self.parent_id.get(event.request_id)
+            if parent_id is None:
+                continue  # cancelled
+            out.append(replace(event, request_id=parent_id))
+            if isinstance(event, Finished):
+                self._forget(event.request_id)
+        if out:
+            self.conn.send(("events", out))
+
+    def _forget(self, engine_id: int) -> None:
+        parent_id = self.parent_id.pop(engine_id, None)
+        self.engine_id.pop(parent_id, None)

@@ -1,0 +1,99 @@
+"""The engine in a child process behind AsyncEngine's API (tiny model, CPU): exactly the single-request path's audio
+(streaming text included), cancel, a refused request, and a child that dies."""
+import asyncio
+import os
+import signal
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from engine.engine import AudioChunk, EngineConfig, Finished
+from engine.engine_process import EngineSpec, ProcessEngine
+from engine.tts import TTSModel
+from realtime.client import VoxgateClient
+from realtime.gateway import Limits
+from tests.gateway_server import running_server
+from tests.test_async_engine import collect, request
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_checkpoints) -> TTSModel:
+    return TTSModel.load(tiny_checkpoints["custom_voice"])
+
+
+def spec(tts: TTSModel) -> EngineSpec:
+    return EngineSpec(tts.model_dir, "cpu", torch.float32, EngineConfig(max_batch=2, capacity=256))
+
+
+async def started(tts: TTSModel, steps: list) -> ProcessEngine:
+    engine = ProcessEngine(spec(tts), on_step=lambda seconds, batch: steps.append(batch))
+    engine.start()
+    await engine.ready()
+    return engine
+
+
+def test_requests_and_streaming_text_give_the_single_request_audio(tts):
+    whole = request(tts, "Good morning to you all.", 9, 1)
+    streamed = request(tts, "And a second voice.", 6, 2)
+    steps = []
+
+    async def main():
+        engine = await started(tts, steps)
+        try:
+            first = engine.submit(whole)
+            second = engine.submit(replace(streamed, text="And a sec", text_complete=False))
+            engine.append_text(second.request_id, "ond voice.")
+            engine.end_text(second.request_id)
+            results = await asyncio.gather(collect(first), collect(second))
+            return results, engine.active
+        finally:
+            await engine.stop()
+
+    results, active = asyncio.run(main())
+    assert active == 0 and steps and max(steps) <= 2
+    for (audio, finished), r in zip(results, [whole, streamed]):
+        expected = tts.synthesize(r.text, r.voice, language=r.language, sampling=r.sampling, max_frames=r.max_frames,
+                                  layout="streaming" if r is streamed else None)
+        assert finished.reason != "error" and finished.frames == expected.codes.shape[0]
+        np.testing.assert_allclose(audio, expected.audio, atol=1e-5, rtol=0)
+
+
+def test_cancel_a_refused_request_and_a_dead_child(tts):
+    async def main():
+        engine = await started(tts, [])
+        try:
+            long = engine.submit(request(tts, "A long sentence that would take many frames.", 150, 3))
+            assert isinstance(await anext(aiter(long)), AudioChunk)
+            assert long.cancel() and [event async for event in long] == [] and engine.active == 0
+            refused = engine.submit(request(tts, "", 5, 4))  # empty text: the child refuses it
+            events = [event async for event in refused]
+            another = engine.submit(request(tts, "Still here after that.", 150, 5))
+            await anext(aiter(another))
+            os.kill(engine._process.pid, signal.SIGKILL)  # the device fails hard: every request ends
+            died = [event async for event in another]
+            return events, died, engine.error
+        finally:
+            await engine.stop()
+
+    refused, died, error = asyncio.run(main())
+    assert len(refused) == 1 and refused[0].reason == "error" and refused[0].error
+    assert isinstance(died[-1], Finished) and died[-1].reason == "error" and error == "the engine process exited"
+
+
+def test_the_gateway_serves_through_an_engine_process_and_reports_its_death():
+    with running_server(Limits(), engine_process=True) as server:
+        async def speak():
+            async with VoxgateClient.connect(server.ws) as client:
+                return await client.speak("p", ["Hello from ", "another process."])
+
+        result = asyncio.run(speak())
+        assert result.done is not None and result.done["audio_ms"] > 0 and result.frames
+        os.kill(server.gateway.engine._process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while server.get("/ready")[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, body = server.get("/ready")
+        assert status == 503 and b"engine process exited" in body
