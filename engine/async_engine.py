@@ -47,19 +47,51 @@ class RequestStream:
                 return
 
 
-class AsyncEngine:
+class EventRouter:
+    """Hands a request's events, from whichever thread has them, to its `RequestStream` on the event loop; a failure
+    ends every open request with `Finished(reason="error")`."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self._streams: dict[int, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _publish(self, events: list[Event]) -> None:
+        if not events:
+            return
+        streams = {event.request_id: self._streams.get(event.request_id) for event in events}
+        for event in events:
+            if isinstance(event, Finished):
+                self._streams.pop(event.request_id, None)
+        self._loop.call_soon_threadsafe(self._dispatch, events, streams)
+
+    @staticmethod
+    def _dispatch(events: list[Event], streams: dict[int, RequestStream | None]) -> None:
+        for event in events:
+            stream = streams[event.request_id]
+            if stream is not None:
+                stream._deliver(event)
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+        failed = list(self._streams.values())
+        self._streams.clear()
+        events = [Finished(s.request_id, "error", 0, message) for s in failed]
+        self._loop.call_soon_threadsafe(self._dispatch, events, {s.request_id: s for s in failed})
+
+
+class AsyncEngine(EventRouter):
     def __init__(self, engine: Engine, on_step: Callable[[float, int], None] | None = None) -> None:
         """`on_step(seconds, batch)` is called after every step (metrics)."""
+        super().__init__()
         self.engine = engine
         self.on_step = on_step
-        self.error: str | None = None
         self.last_step_started: float | None = None  # set while a step runs: a stalled step shows here
         self._lock = threading.Lock()
         self._work = threading.Event()
-        self._streams: dict[int, RequestStream] = {}
         self._commands: deque[Callable[[], None]] = deque()  # applied by the engine thread between steps
         self._stopping = False
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -140,27 +172,3 @@ class AsyncEngine:
                     self.last_step_started = None
             if self.on_step is not None:
                 self.on_step(time.monotonic() - started, batch)
-
-    def _publish(self, events: list[Event]) -> None:
-        """Hand events to their streams on the event loop (called with the lock held)."""
-        if not events:
-            return
-        streams = {event.request_id: self._streams.get(event.request_id) for event in events}
-        for event in events:
-            if isinstance(event, Finished):
-                self._streams.pop(event.request_id, None)
-        self._loop.call_soon_threadsafe(self._dispatch, events, streams)
-
-    @staticmethod
-    def _dispatch(events: list[Event], streams: dict[int, RequestStream | None]) -> None:
-        for event in events:
-            stream = streams[event.request_id]
-            if stream is not None:
-                stream._deliver(event)
-
-    def _fail(self, message: str) -> None:
-        self.error = message
-        failed = list(self._streams.values())
-        self._streams.clear()
-        events = [Finished(s.request_id, "error", 0, message) for s in failed]
-        self._loop.call_soon_threadsafe(self._dispatch, events, {s.request_id: s for s in failed})

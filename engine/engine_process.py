@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine.async_engine import RequestStream
+from engine.async_engine import EventRouter, RequestStream
 import torch
 
 from engine.engine import Engine, EngineConfig, Event, Finished, SynthesisRequest
@@ -39,18 +39,16 @@ class EngineSpec:
     config: EngineConfig
 
 
-class ProcessEngine:
+class ProcessEngine(EventRouter):
     def __init__(self, spec: EngineSpec, on_step: Callable[[float, int], None] | None = None) -> None:
         """`on_step(seconds, batch)` is called after every step of the child (metrics)."""
+        super().__init__()
         self.spec = spec
         self.on_step = on_step
-        self.error: str | None = None
         self.last_step_started: float | None = None  # set while the child runs a step: a stall shows here
         self.waiting = 0  # requests queued in the child for a slot, as of its last step
-        self._streams: dict[int, RequestStream] = {}
         self._next_id = 0
         self._send_lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: Connection | None = None
         self._process: multiprocessing.Process | None = None
         self._reader: threading.Thread | None = None
@@ -138,28 +136,6 @@ class ProcessEngine:
             self._fail("the engine process exited")
         finally:
             self._ready.set()
-
-    def _publish(self, events: list[Event]) -> None:
-        streams = {event.request_id: self._streams.get(event.request_id) for event in events}
-        for event in events:
-            if isinstance(event, Finished):
-                self._streams.pop(event.request_id, None)
-        self._loop.call_soon_threadsafe(_dispatch, events, streams)
-
-    def _fail(self, message: str) -> None:
-        if self.error is None:
-            self.error = message
-        failed = list(self._streams.values())
-        self._streams.clear()
-        events = [Finished(s.request_id, "error", 0, message) for s in failed]
-        self._loop.call_soon_threadsafe(_dispatch, events, {s.request_id: s for s in failed})
-
-
-def _dispatch(events: list[Event], streams: dict[int, RequestStream | None]) -> None:
-    for event in events:
-        stream = streams[event.request_id]
-        if stream is not None:
-            stream._deliver(event)
 
 
 # --- the child ---------------------------------------------------------------------------------------------------
