@@ -97,3 +97,26 @@ def test_the_gateway_serves_through_an_engine_process_and_reports_its_death():
             time.sleep(0.05)
         status, body = server.get("/ready")
         assert status == 503 and b"engine process exited" in body
+
+
+def test_clone_voices_of_a_base_model_cross_into_the_engine_process(tiny_checkpoints, tmp_path):
+    """A Base model's clone prompts (speaker embedding, reference codes) are tensors sent to the child with each
+    request; both clone modes speak through it."""
+    import soundfile as sf
+
+    from realtime.voices import CloneVoice
+
+    t = np.arange(48000) / 24000
+    reference = tmp_path / "ref.wav"
+    sf.write(reference, (0.3 * np.sin(2 * np.pi * 220 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32),
+             24000)
+    clones = (CloneVoice("alice", reference, "Hello there."), CloneVoice("bob", reference))
+    with running_server(Limits(), model=tiny_checkpoints["base"], clone_voices=clones, engine_process=True) as server:
+        async def speak(voice: str):
+            async with VoxgateClient.connect(f"{server.ws}?voice={voice}") as client:
+                return await client.speak(voice, ["Cloned ", "speech."])
+
+        for voice in ("alice", "bob"):
+            result = asyncio.run(speak(voice))
+            assert result.done is not None and result.done["audio_ms"] > 0, result.events
+            assert [e["voice"] for e in result.events if e["type"] == "context.started"] == [voice]
