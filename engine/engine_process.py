@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -48,10 +50,9 @@ class ProcessEngine(EventRouter):
         self.last_step_started: float | None = None  # set while the child runs a step: a stall shows here
         self.waiting = 0  # requests queued in the child for a slot, as of its last step
         self._next_id = 0
-        self._send_lock = threading.Lock()
+        self._outgoing: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()  # the event loop never blocks on the pipe
         self._conn: Connection | None = None
         self._process: multiprocessing.Process | None = None
-        self._reader: threading.Thread | None = None
         self._ready = threading.Event()
 
     def start(self) -> None:
@@ -63,8 +64,8 @@ class ProcessEngine(EventRouter):
                                         daemon=True)
         self._process.start()
         child_conn.close()
-        self._reader = threading.Thread(target=self._read, name="voxgate-engine-reader", daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._write, name="voxgate-engine-writer", daemon=True).start()
+        threading.Thread(target=self._read, name="voxgate-engine-reader", daemon=True).start()
 
     async def ready(self) -> None:
         await asyncio.to_thread(self._ready.wait)
@@ -72,45 +73,54 @@ class ProcessEngine(EventRouter):
             raise RuntimeError(f"the engine process failed: {self.error}")
 
     async def stop(self) -> None:
+        """Ask the child to stop, kill it if it does not within 10 s; open requests end with an error."""
         if self._process is None:
             return
-        self._send(("stop",))
+        self._outgoing.put(("stop",))
+        self._outgoing.put(None)
         await asyncio.to_thread(self._process.join, 10)
         if self._process.is_alive():
             self._process.kill()
+            await asyncio.to_thread(self._process.join, 5)
+        self._fail("the engine has stopped")
 
     @property
     def active(self) -> int:
         return len(self._streams)
 
     def submit(self, request: SynthesisRequest) -> RequestStream:
+        """Queue a request (on the event loop); a refusal arrives as its `Finished(reason="error")`."""
         if self.error is not None:
             raise RuntimeError(f"the engine has failed: {self.error}")
         self._next_id += 1
         stream = RequestStream(self._next_id, self)
         self._streams[self._next_id] = stream
-        self._send(("submit", self._next_id, request))
+        self._outgoing.put(("submit", self._next_id, request))
         return stream
 
     def append_text(self, request_id: int, text: str) -> None:
-        self._send(("append", request_id, text))
+        self._outgoing.put(("append", request_id, text))
 
     def end_text(self, request_id: int) -> None:
-        self._send(("end", request_id))
+        self._outgoing.put(("end", request_id))
 
     def _cancel(self, request_id: int) -> bool:
         running = self._streams.pop(request_id, None) is not None
-        self._send(("cancel", request_id))
+        self._outgoing.put(("cancel", request_id))
         return running
 
-    def _send(self, message: tuple) -> None:
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-        except (OSError, ValueError):  # the child is gone: the reader reports it
-            pass
+    # --- the writer and reader threads -------------------------------------------------------------------------
 
-    # --- the reader thread -------------------------------------------------------------------------------------
+    def _write(self) -> None:
+        """Sends the queued commands in order; blocks (here, not on the event loop) while the child is stepping."""
+        while (message := self._outgoing.get()) is not None:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # the child is gone: the reader reports it
+                return
+            except Exception as failure:  # a request that cannot be pickled ends alone
+                if message[0] == "submit":
+                    self._publish([Finished(message[1], "error", 0, f"cannot send the request: {failure}")])
 
     def _read(self) -> None:
         try:
@@ -129,13 +139,22 @@ class ProcessEngine(EventRouter):
                 elif kind == "ready":
                     self._ready.set()
                 elif kind == "failed":
-                    self._fail(message[1])
+                    self._fail_soon(message[1])
                 elif kind == "stopped":
                     return
         except (EOFError, OSError):
-            self._fail("the engine process exited")
+            self._fail_soon("the engine process exited")
+        except Exception as failure:  # a bug here must not leave requests waiting forever
+            self._fail_soon(f"the engine reader failed: {type(failure).__name__}: {failure}")
+            self._process.kill()
         finally:
             self._ready.set()
+
+    def _fail_soon(self, message: str) -> None:
+        """Fail on the event loop, where submits happen, so that no submit slips in between."""
+        if self.error is None:
+            self.error = message
+        self._loop.call_soon_threadsafe(self._fail, message)
 
 
 # --- the child ---------------------------------------------------------------------------------------------------
@@ -143,6 +162,10 @@ class ProcessEngine(EventRouter):
 def _child_main(conn: Connection, spec: EngineSpec) -> None:
     from engine.tts import TTSModel
 
+    # Ctrl-C or a service manager signals the whole process group: the parent drains its sessions first and then
+    # stops the child itself (a "stop" message, the pipe closing, or a kill).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = Engine(TTSModel.load(spec.model_dir, device=spec.device, dtype=spec.dtype), spec.config)
     except Exception as failure:  # reported to the parent, whose readiness turns it into a 503
@@ -172,7 +195,10 @@ class _ChildLoop:
                 self.conn.send(("failed", f"{type(failure).__name__}: {failure}"))
                 return
             self.conn.send(("step", time.monotonic() - started, batch, len(self.engine.waiting)))
-        self.conn.send(("stopped",))
+        try:
+            self.conn.send(("stopped",))
+        except OSError:  # the parent has gone already
+            pass
 
     def _apply_commands(self, wait_s: float) -> bool:
         """Apply what the parent sent; False once it asked to stop (or went away)."""

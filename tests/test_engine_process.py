@@ -120,3 +120,23 @@ def test_clone_voices_of_a_base_model_cross_into_the_engine_process(tiny_checkpo
             result = asyncio.run(speak(voice))
             assert result.done is not None and result.done["audio_ms"] > 0, result.events
             assert [e["voice"] for e in result.events if e["type"] == "context.started"] == [voice]
+
+
+def test_a_child_that_cannot_load_and_a_stop_with_requests_open(tts, tmp_path):
+    async def bad_model():
+        engine = ProcessEngine(EngineSpec(tmp_path / "nothing", "cpu", torch.float32, EngineConfig(max_batch=1)))
+        engine.start()
+        with pytest.raises(RuntimeError, match="model directory not found"):
+            await engine.ready()
+        await engine.stop()
+
+    async def stop_while_speaking():
+        engine = await started(tts, [])
+        long = engine.submit(request(tts, "A long sentence that would take many frames.", 150, 3))
+        await anext(aiter(long))
+        await engine.stop()
+        return [event async for event in long], engine._process.is_alive()
+
+    asyncio.run(bad_model())
+    events, alive = asyncio.run(stop_while_speaking())
+    assert isinstance(events[-1], Finished) and events[-1].reason == "error" and not alive
