@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -15,6 +13,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
+
+from tests.gateway_server import serve_in_thread
 
 
 @dataclass
@@ -62,14 +62,8 @@ def create_app(llm: FakeLLM) -> Starlette:
 def running_fake_llm(reply: list[str], token_delay_s: float = 0.05) -> Iterator[FakeLLM]:
     llm = FakeLLM("", reply, token_delay_s)
     server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the fake LLM did not start")
-        time.sleep(0.02)
-    llm.url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    thread, port = serve_in_thread(server, timeout_s=30)
+    llm.url = f"http://127.0.0.1:{port}/v1"
     try:
         yield llm
     finally:

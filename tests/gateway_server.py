@@ -11,6 +11,8 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import uvicorn
+
 from realtime.gateway import GatewayOptions, Limits
 from realtime.server import build_server
 
@@ -56,17 +58,23 @@ class RunningServer:
         raise KeyError(name)
 
 
-@contextlib.contextmanager
-def running_server(limits: Limits = Limits(), **options) -> Iterator[RunningServer]:
-    server = build_server(GatewayOptions(limits=limits, **options), port=0, log_level="warning")
+def serve_in_thread(server: uvicorn.Server, timeout_s: float = 120) -> tuple[threading.Thread, int]:
+    """Start a uvicorn server (bound to port 0) in a daemon thread; returns the thread and the port it got."""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout_s
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    return thread, server.servers[0].sockets[0].getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(limits: Limits = Limits(), **options) -> Iterator[RunningServer]:
+    server = build_server(GatewayOptions(limits=limits, **options), port=0, log_level="warning")
+    deadline = time.monotonic() + 120
+    thread, port = serve_in_thread(server)
     running = RunningServer(f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/tts/stream", server)
     while running.get("/ready")[0] != 200:
         if time.monotonic() > deadline or server.gateway.state == "failed":

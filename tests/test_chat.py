@@ -48,6 +48,19 @@ async def until(ws, predicate, timeout: float = 60.0) -> list[dict]:
     return seen
 
 
+async def ask(chat, session_id: str, request_id: str, context_id: str, content: str = "Talk.", **fields) -> None:
+    await chat.send(json.dumps({"type": "chat.request", "id": request_id, "session_id": session_id,
+                                "context_id": context_id, "messages": [{"role": "user", "content": content}],
+                                **fields}))
+
+
+@pytest.fixture
+def long_reply(llm):
+    llm.reply = LONG_REPLY
+    yield llm
+    llm.reply = REPLY
+
+
 async def open_pair(server):
     tts = await connect(server.ws + "?token=k", max_size=None)
     started = json.loads(await tts.recv())
@@ -60,9 +73,7 @@ def test_the_reply_streams_to_the_page_and_is_spoken_as_it_arrives(server, llm):
     async def go():
         tts, session_id, chat, ready = await open_pair(server)
         assert ready == {"type": "chat.ready", "llm": {"model": "fake-model"}}
-        await chat.send(json.dumps({"type": "chat.request", "id": "r1", "session_id": session_id,
-                                    "context_id": "c1", "messages": [{"role": "user", "content": "Hi!"}],
-                                    "voice": "vivian"}))
+        await ask(chat, session_id, "r1", "c1", "Hi!", voice="vivian")
         chat_events = await until(chat, lambda e: e["type"] == "chat.done")
         deltas = [e["text"] for e in chat_events if e["type"] == "chat.delta"]
         assert deltas == REPLY and chat_events[-1] == {"type": "chat.done", "id": "r1", "text": "".join(REPLY),
@@ -79,51 +90,41 @@ def test_the_reply_streams_to_the_page_and_is_spoken_as_it_arrives(server, llm):
     asyncio.run(go())
 
 
-def test_cancelling_the_context_on_the_audio_socket_stops_the_llm(server, llm):
+def test_cancelling_the_context_on_the_audio_socket_stops_the_llm(server, long_reply):
     async def go():
-        llm.reply = LONG_REPLY
-        try:
-            tts, session_id, chat, _ = await open_pair(server)
-            await chat.send(json.dumps({"type": "chat.request", "id": "r2", "session_id": session_id,
-                                        "context_id": "c2", "messages": [{"role": "user", "content": "Talk."}]}))
-            await until(chat, lambda e: e["type"] == "chat.delta")
-            await tts.send(json.dumps({"type": "context.cancel", "context_id": "c2", "played_ms": 0}))
-            cancelled = await until(tts, lambda e: e["type"] == "context.cancelled")
-            assert cancelled[-1]["heard_text"] == ""
-            done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
-            assert done["reason"] == "cancelled" and len(done["text"]) < len("".join(LONG_REPLY))
-            for _ in range(100):
-                if llm.calls[-1].outcome != "streaming":
-                    break
-                await asyncio.sleep(0.05)
-            assert llm.calls[-1].outcome == "cancelled"
-            await tts.send(json.dumps({"type": "ping", "id": 1}))
-            after = await until(tts, lambda e: e["type"] == "pong")
-            assert [e["type"] for e in after] == ["pong"]  # nothing more was appended to the cancelled context
-            await tts.close()
-            await chat.close()
-        finally:
-            llm.reply = REPLY
+        tts, session_id, chat, _ = await open_pair(server)
+        await ask(chat, session_id, "r2", "c2")
+        await until(chat, lambda e: e["type"] == "chat.delta")
+        await tts.send(json.dumps({"type": "context.cancel", "context_id": "c2", "played_ms": 0}))
+        cancelled = await until(tts, lambda e: e["type"] == "context.cancelled")
+        assert cancelled[-1]["heard_text"] == ""
+        done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
+        assert done["reason"] == "cancelled" and len(done["text"]) < len("".join(LONG_REPLY))
+        for _ in range(100):
+            if long_reply.calls[-1].outcome != "streaming":
+                break
+            await asyncio.sleep(0.05)
+        assert long_reply.calls[-1].outcome == "cancelled"
+        await tts.send(json.dumps({"type": "ping", "id": 1}))
+        after = await until(tts, lambda e: e["type"] == "pong")
+        assert [e["type"] for e in after] == ["pong"]  # nothing more was appended to the cancelled context
+        await tts.close()
+        await chat.close()
     asyncio.run(go())
 
 
-def test_chat_cancel_stops_the_llm_and_speaks_what_it_wrote(server, llm):
+def test_chat_cancel_stops_the_llm_and_speaks_what_it_wrote(server, long_reply):
     async def go():
-        llm.reply = LONG_REPLY
-        try:
-            tts, session_id, chat, _ = await open_pair(server)
-            await chat.send(json.dumps({"type": "chat.request", "id": "r3", "session_id": session_id,
-                                        "context_id": "c3", "messages": [{"role": "user", "content": "Talk."}]}))
-            await until(chat, lambda e: e["type"] == "chat.delta")
-            await chat.send(json.dumps({"type": "chat.cancel", "id": "r3"}))
-            done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
-            assert done["reason"] == "cancelled"
-            spoken = (await until(tts, lambda e: e["type"] == "context.done", timeout=120))[-1]
-            assert spoken["metrics"]["text_chars"] == len(done["text"])
-            await tts.close()
-            await chat.close()
-        finally:
-            llm.reply = REPLY
+        tts, session_id, chat, _ = await open_pair(server)
+        await ask(chat, session_id, "r3", "c3")
+        await until(chat, lambda e: e["type"] == "chat.delta")
+        await chat.send(json.dumps({"type": "chat.cancel", "id": "r3"}))
+        done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
+        assert done["reason"] == "cancelled"
+        spoken = (await until(tts, lambda e: e["type"] == "context.done", timeout=120))[-1]
+        assert spoken["metrics"]["text_chars"] == len(done["text"])
+        await tts.close()
+        await chat.close()
     asyncio.run(go())
 
 
@@ -164,9 +165,7 @@ def test_a_wrong_key_is_refused(server):
 def test_without_an_llm_or_with_an_llm_that_fails():
     async def go(server):
         tts, session_id, chat, ready = await open_pair(server)
-        request = {"type": "chat.request", "id": "r", "session_id": session_id, "context_id": "c",
-                   "messages": [{"role": "user", "content": "Hi"}]}
-        await chat.send(json.dumps(request))
+        await ask(chat, session_id, "r", "c", "Hi")
         answers = await until(chat, lambda e: e["type"] in ("chat.done", "error") and e.get("code") != "llm_error")
         await tts.close()
         await chat.close()
@@ -185,8 +184,7 @@ def test_barge_in_before_the_first_token_an_overlong_reply_and_a_closed_audio_so
     async def early_cancel(server, llm):
         tts, session_id, chat, _ = await open_pair(server)
         llm.token_delay_s = 0.5
-        await chat.send(json.dumps({"type": "chat.request", "id": "a", "session_id": session_id, "context_id": "ca",
-                                    "messages": [{"role": "user", "content": "Hi"}]}))
+        await ask(chat, session_id, "a", "ca", "Hi")
         await tts.send(json.dumps({"type": "context.cancel", "context_id": "ca", "played_ms": 0}))
         assert (await receive(tts))["type"] == "context.cancelled"
         done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
@@ -199,8 +197,7 @@ def test_barge_in_before_the_first_token_an_overlong_reply_and_a_closed_audio_so
     async def overlong(server, llm):
         tts, session_id, chat, _ = await open_pair(server)
         llm.token_delay_s = 0.01
-        await chat.send(json.dumps({"type": "chat.request", "id": "b", "session_id": session_id, "context_id": "cb",
-                                    "messages": [{"role": "user", "content": "Hi"}]}))
+        await ask(chat, session_id, "b", "cb", "Hi")
         done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
         assert done["reason"] == "error" and 0 < len(done["text"]) <= 40
         spoken = await until(tts, lambda e: e["type"] == "context.done")
@@ -211,8 +208,7 @@ def test_barge_in_before_the_first_token_an_overlong_reply_and_a_closed_audio_so
     async def audio_socket_closes(server, llm):
         tts, session_id, chat, _ = await open_pair(server)
         llm.token_delay_s = 0.05
-        await chat.send(json.dumps({"type": "chat.request", "id": "c", "session_id": session_id, "context_id": "cc",
-                                    "messages": [{"role": "user", "content": "Hi"}]}))
+        await ask(chat, session_id, "c", "cc", "Hi")
         await until(chat, lambda e: e["type"] == "chat.delta")
         await tts.close()
         done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
