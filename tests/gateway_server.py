@@ -2,6 +2,7 @@
 process, for the gateway, client and bridge tests."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -85,3 +86,17 @@ def running_server(limits: Limits = Limits(), **options) -> Iterator[RunningServ
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+async def events_until_closed(ws, timeout_s: float = 30) -> tuple[list[dict], int | None]:
+    """Every JSON event a raw client socket receives until the server closes it, and the close code."""
+    from websockets.exceptions import ConnectionClosed
+
+    events = []
+    try:
+        while True:
+            message = await asyncio.wait_for(ws.recv(), timeout_s)
+            if isinstance(message, str):
+                events.append(json.loads(message))
+    except ConnectionClosed as closed:
+        return events, closed.rcvd.code if closed.rcvd else None

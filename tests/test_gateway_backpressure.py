@@ -7,10 +7,9 @@ import json
 import socket
 
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
 
 from realtime.gateway import Limits
-from tests.gateway_server import running_server
+from tests.gateway_server import events_until_closed, running_server
 
 SEND_QUEUE_MS = 400
 
@@ -37,14 +36,7 @@ def test_a_client_that_stops_reading_is_bounded_warned_and_closed():
                     break
             chunk_ms = 320  # the largest chunk the engine hands over at once (4 frames of 80 ms)
             assert peak <= SEND_QUEUE_MS + 4 * chunk_ms  # each of the 4 contexts may add one chunk past the limit
-            events = []
-            try:
-                while True:
-                    message = await asyncio.wait_for(ws.recv(), 30)
-                    if isinstance(message, str):
-                        events.append(json.loads(message))
-            except ConnectionClosed as closed:
-                close_code = closed.rcvd.code if closed.rcvd else None
+            events, close_code = await events_until_closed(ws)
             codes = [e.get("code") for e in events if e["type"] in ("warning", "error")]
             assert "slow_consumer" in codes
             assert close_code == 1008 and any(e["type"] == "error" and e["fatal"] for e in events)

@@ -10,7 +10,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from realtime.gateway import Limits
-from tests.gateway_server import running_server
+from tests.gateway_server import events_until_closed, running_server
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +86,7 @@ def test_shutdown_finishes_or_cancels_contexts_and_closes_with_1001():
                 await ws.send(json.dumps({"type": "text.append", "context_id": "open", "text": "Still typing"}))
                 await asyncio.sleep(0.3)
                 server.server.should_exit = True  # what SIGTERM does
-                events = []
-                try:
-                    while True:
-                        message = await asyncio.wait_for(ws.recv(), 30)
-                        if isinstance(message, str):
-                            events.append(json.loads(message))
-                except ConnectionClosed as closed:
-                    code = closed.rcvd.code if closed.rcvd else None
+                events, code = await events_until_closed(ws)
                 kinds = [(e["type"], e.get("context_id"), e.get("reason")) for e in events]
                 assert ("context.done", "ended", None) in kinds
                 assert ("context.cancelled", "open", "shutdown") in kinds
