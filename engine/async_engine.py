@@ -56,6 +56,11 @@ class EventRouter:
         self._streams: dict[int, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def active(self) -> int:
+        """Requests running or waiting (open streams)."""
+        return len(self._streams)
+
     def _publish(self, events: list[Event]) -> None:
         if not events:
             return
@@ -104,10 +109,6 @@ class AsyncEngine(EventRouter):
         self._work.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-
-    @property
-    def active(self) -> int:
-        return len(self._streams)
 
     @property
     def waiting(self) -> int:

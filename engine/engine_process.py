@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine.async_engine import EventRouter, RequestStream
 import torch
 
+from engine.async_engine import EventRouter, RequestStream
 from engine.engine import Engine, EngineConfig, Event, Finished, SynthesisRequest
 from engine.errors import RequestError
 
@@ -83,10 +83,6 @@ class ProcessEngine(EventRouter):
             self._process.kill()
             await asyncio.to_thread(self._process.join, 5)
         self._fail("the engine has stopped")
-
-    @property
-    def active(self) -> int:
-        return len(self._streams)
 
     def submit(self, request: SynthesisRequest) -> RequestStream:
         """Queue a request (on the event loop); a refusal arrives as its `Finished(reason="error")`."""
