@@ -1,10 +1,12 @@
-"""The engine on its own thread, for asyncio callers (the gateway): submit from any coroutine, read each request's
-events from its own queue, cancel at any time.
+"""The engine for asyncio callers (the gateway): submit from any coroutine, read each request's events from its own
+queue, cancel at any time.
 
-The step loop owns the GPU. Text and cancels are queued as commands that the engine thread applies between
-steps, so the event loop never waits for a step (tens of appends per second per session would otherwise each
-wait up to a step); only a submit takes the engine's lock, to validate the request at once. A step that raises (a CUDA error) fails every request
-with a `Finished(reason="error")` and marks the engine unhealthy, so readiness can turn off; it never takes the
+`FrontEnd` is what both front ends share on the event loop; `AsyncEngine` runs the step loop (`step_loop.py`) on a
+thread of this process, `engine_process.ProcessEngine` in a process of its own. The contract is the same: `submit`
+validates the request (`requests.check_request`) and counts it against the engine's capacity, so it raises at once
+for an invalid request, a full engine or a failed one, and never waits for a step; anything that fails later ends
+that request alone with a `Finished` carrying its typed error. When the engine as a whole fails (a device fault),
+every open request ends with `EngineFailed`, `error` is set and `on_failure` hears of it; it never takes the
 caller's event loop down.
 """
 from __future__ import annotations
@@ -16,15 +18,20 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from engine.engine import Engine, Event, Finished, SynthesisRequest
-from engine.errors import RequestError
+from engine.errors import EngineFailed, EngineFull
+from engine.requests import check_request
+from engine.step_loop import Command, StepLoop
+from engine.tts import TTSModel
+
+STOP_TIMEOUT_S = 10.0  # a step that hangs this long is left behind (its thread is a daemon)
 
 
 class RequestStream:
     """One request's events, in order, ending with its `Finished`. After `cancel()` nothing more is delivered."""
 
-    def __init__(self, request_id: int, runner: "AsyncEngine") -> None:
+    def __init__(self, request_id: int, front_end: FrontEnd) -> None:
         self.request_id = request_id
-        self._runner = runner
+        self._front_end = front_end
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = False
 
@@ -35,7 +42,7 @@ class RequestStream:
     def cancel(self) -> bool:
         """Stop the request now; returns whether it was still running or waiting."""
         self.cancelled = True
-        return self._runner._cancel(self.request_id)
+        return self._front_end._cancel(self.request_id)
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         while not self.cancelled:
@@ -47,28 +54,88 @@ class RequestStream:
                 return
 
 
-class EventRouter:
-    """Hands a request's events, from whichever thread has them, to its `RequestStream` on the event loop; a failure
-    ends every open request with `Finished(reason="error")`."""
+class FrontEnd:
+    """Requests in from the event loop, as commands for the step loop; the step loop's reports (its `Outbox`) back
+    from its thread, each request's events to its `RequestStream`. Subclasses carry the commands (`_send`)."""
 
-    def __init__(self) -> None:
-        self.error: str | None = None
+    def __init__(self, tts: TTSModel, capacity: int, on_step: Callable[[float, int], None] | None,
+                 on_failure: Callable[[EngineFailed], None] | None) -> None:
+        """`on_step(seconds, batch)` is called after every step (metrics), `on_failure(error)` on the event loop
+        once the engine has failed (not when it is stopped)."""
+        self.tts = tts
+        self.capacity = capacity  # requests open at once: the engine's slots and its waiting room
+        self.on_step = on_step
+        self.on_failure = on_failure
+        self.error: EngineFailed | None = None
+        self.waiting = 0  # requests queued for a slot, as of the last step
+        self.last_step_started: float | None = None  # set while a step runs: a stalled step shows here
         self._streams: dict[int, RequestStream] = {}
+        self._next_id = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._error_lock = threading.Lock()
 
     @property
     def active(self) -> int:
         """Requests running or waiting (open streams)."""
         return len(self._streams)
 
-    def _publish(self, events: list[Event]) -> None:
-        if not events:
-            return
+    def submit(self, request: SynthesisRequest) -> RequestStream:
+        """Queue a request; raises at once RequestError (invalid), EngineFull (as many requests open as the engine
+        holds) or EngineFailed."""
+        if self.error is not None:
+            raise EngineFailed(f"the engine has failed: {self.error}")
+        check_request(self.tts, request)
+        if self.active >= self.capacity:
+            raise EngineFull(f"the engine is full ({self.active} requests open); try again later")
+        self._next_id += 1
+        stream = RequestStream(self._next_id, self)
+        self._streams[stream.request_id] = stream
+        self._send(Command("submit", stream.request_id, request))
+        return stream
+
+    def append_text(self, request_id: int, text: str) -> None:
+        """More text for a streaming-text request (ignored once the request has finished or was cancelled)."""
+        self._send(Command("append", request_id, text))
+
+    def end_text(self, request_id: int) -> None:
+        self._send(Command("end", request_id))
+
+    def _cancel(self, request_id: int) -> bool:
+        """Nothing more is delivered from now on; the slot is freed before the next step."""
+        running = self._streams.pop(request_id, None) is not None
+        self._send(Command("cancel", request_id))
+        return running
+
+    def _send(self, command: Command) -> None:
+        raise NotImplementedError
+
+    # --- the step loop's outbox: called from the engine's thread, or from the reader of the engine process ---------
+
+    def publish(self, events: list[Event]) -> None:
         streams = {event.request_id: self._streams.get(event.request_id) for event in events}
         for event in events:
             if isinstance(event, Finished):
                 self._streams.pop(event.request_id, None)
         self._loop.call_soon_threadsafe(self._dispatch, events, streams)
+
+    def step_started(self) -> None:
+        self.last_step_started = time.monotonic()
+
+    def step_done(self, seconds: float, batch: int, waiting: int) -> None:
+        self.last_step_started, self.waiting = None, waiting
+        if self.on_step is not None:
+            self.on_step(seconds, batch)
+
+    def failed(self, error: EngineFailed) -> None:
+        """The engine has failed: submits are refused from now on, and on the event loop (where submits happen, so
+        none slips in between) every open request ends and `on_failure` hears of it. Only the first report counts."""
+        with self._error_lock:
+            if self.error is not None:
+                return
+            self.error = error
+        self._loop.call_soon_threadsafe(self._engine_failed, error)
+
+    # --- on the event loop ------------------------------------------------------------------------------------
 
     @staticmethod
     def _dispatch(events: list[Event], streams: dict[int, RequestStream | None]) -> None:
@@ -77,99 +144,79 @@ class EventRouter:
             if stream is not None:
                 stream._deliver(event)
 
-    def _fail(self, message: str) -> None:
-        if self.error is None:
-            self.error = message
+    def _engine_failed(self, error: EngineFailed) -> None:
+        self._end_open(error)
+        if self.on_failure is not None:
+            self.on_failure(error)
+
+    def _end_open(self, error: EngineFailed) -> None:
+        """Every open request ends with `error`."""
         failed = list(self._streams.values())
         self._streams.clear()
-        events = [Finished(s.request_id, "error", 0, message) for s in failed]
-        self._loop.call_soon_threadsafe(self._dispatch, events, {s.request_id: s for s in failed})
+        for stream in failed:
+            stream._deliver(Finished(stream.request_id, "error", 0, error))
+
+    def _stopping(self) -> EngineFailed:
+        """Submits are refused from now on, and a failure reported after this is moot; returns what open requests
+        end with."""
+        with self._error_lock:
+            if self.error is None:
+                self.error = EngineFailed("the engine has stopped")
+            return self.error
 
 
-class AsyncEngine(EventRouter):
-    def __init__(self, engine: Engine, on_step: Callable[[float, int], None] | None = None) -> None:
-        """`on_step(seconds, batch)` is called after every step (metrics)."""
-        super().__init__()
+class AsyncEngine(FrontEnd):
+    """The step loop on a thread of this process."""
+
+    def __init__(self, engine: Engine, on_step: Callable[[float, int], None] | None = None,
+                 on_failure: Callable[[EngineFailed], None] | None = None) -> None:
+        super().__init__(engine.tts, engine.slots + engine.config.max_waiting, on_step, on_failure)
         self.engine = engine
-        self.on_step = on_step
-        self.last_step_started: float | None = None  # set while a step runs: a stalled step shows here
-        self._lock = threading.Lock()
-        self._work = threading.Event()
-        self._commands: deque[Callable[[], None]] = deque()  # applied by the engine thread between steps
-        self._stopping = False
+        self._inbox = _ThreadInbox()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="voxgate-engine", daemon=True)
+        loop = StepLoop(self.engine, self._inbox, self)
+        self._thread = threading.Thread(target=loop.run, name="voxgate-engine", daemon=True)
         self._thread.start()
 
     async def stop(self) -> None:
-        self._stopping = True
-        self._work.set()
+        """Stop after the current step; open requests end with an error."""
+        error = self._stopping()
+        self._inbox.close()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+            await asyncio.to_thread(self._thread.join, STOP_TIMEOUT_S)
+        self._end_open(error)
 
-    @property
-    def waiting(self) -> int:
-        """Requests queued for a slot."""
-        return len(self.engine.waiting)
+    def abort(self, error: EngineFailed) -> None:
+        """Fail the engine now (a stalled step): its thread cannot be interrupted, it ends once its step returns."""
+        self.failed(error)
+        self._inbox.close()
 
-    def submit(self, request: SynthesisRequest) -> RequestStream:
-        """Queue a request; raises `RequestError` / `EngineFull` at once, or `RuntimeError` after a failure."""
-        if self.error is not None:
-            raise RuntimeError(f"the engine has failed: {self.error}")
-        with self._lock:
-            request_id = self.engine.submit(request)
-            stream = RequestStream(request_id, self)
-            self._streams[request_id] = stream
-        self._work.set()
-        return stream
+    def _send(self, command: Command) -> None:
+        self._inbox.put(command)
 
-    def append_text(self, request_id: int, text: str) -> None:
-        """More text for a streaming-text request (ignored once the request has finished or was cancelled)."""
-        self._command(lambda: self.engine.append_text(request_id, text))
 
-    def end_text(self, request_id: int) -> None:
-        self._command(lambda: self.engine.end_text(request_id))
+class _ThreadInbox:
+    """Commands from the event loop to the engine thread."""
 
-    def _cancel(self, request_id: int) -> bool:
-        """Nothing more is delivered from now on; the slot is freed before the next step."""
-        running = self._streams.pop(request_id, None) is not None
-        self._command(lambda: self.engine.cancel(request_id))
-        return running
+    def __init__(self) -> None:
+        self._commands: deque[Command] = deque()
+        self._arrived = threading.Event()
+        self._closed = False
 
-    def _command(self, command: Callable[[], None]) -> None:
+    def put(self, command: Command) -> None:
         self._commands.append(command)
-        self._work.set()
+        self._arrived.set()
 
-    def _apply_commands(self) -> None:
-        """Called with the lock held. A command for a request that has just finished is moot."""
-        while self._commands:
-            try:
-                self._commands.popleft()()
-            except RequestError:
-                pass
+    def close(self) -> None:
+        self._closed = True
+        self._arrived.set()
 
-    def _run(self) -> None:
-        while not self._stopping:
-            self._work.clear()  # before looking, so that a command queued meanwhile wakes the wait below
-            with self._lock:
-                self._apply_commands()
-                work = self.engine.has_work()
-            if not work:  # idle, or every stream waits for its text
-                self._work.wait(timeout=0.5)
-                continue
-            with self._lock:
-                self._apply_commands()
-                started = self.last_step_started = time.monotonic()
-                batch = len(self.engine.running)
-                try:
-                    self._publish(self.engine.step(on_audio=self._publish))
-                except Exception as error:  # a device failure: every request ends, the loop stays up
-                    self._fail(f"{type(error).__name__}: {error}")
-                    return
-                finally:
-                    self.last_step_started = None
-            if self.on_step is not None:
-                self.on_step(time.monotonic() - started, batch)
+    def receive(self, wait_s: float) -> list[Command] | None:
+        self._arrived.wait(wait_s)
+        self._arrived.clear()  # before taking: a command put meanwhile sets it again, and the next wait returns
+        if self._closed:
+            return None
+        return [self._commands.popleft() for _ in range(len(self._commands))]

@@ -5,6 +5,10 @@ one batch), runs one frame for the running requests the scheduler picks (`schedu
 `max_step_batch` is set) whose next text token is in (`text_stream.py`), then decodes audio: the first chunk after
 `first_chunk_frames` frames for the shortest time to first audio, larger chunks later to amortise the decoder.
 On a GPU the decoding overlaps the next step's frame (`decode_stream`).
+
+One request never hurts another: whatever raises while a request is planned, tokenized, prompted, prefilled,
+stepped or decoded fails that request alone (`Finished(reason="error")` with its typed error) and the others go on.
+Only a device fault (a CUDA error), or a step that fails for every request alone, fails the engine as a whole.
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import count
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -21,11 +27,12 @@ from engine.attention import BACKENDS
 from engine.cuda_graphs import PaddedStep
 from engine.decode_stream import DecodeStream, PendingAudio
 from engine.decoder_pool import DecoderPool
-from engine.errors import RequestError
+from engine.errors import EmptyText, EngineFailed, EngineFull, RequestError, TextTooLong, VoxgateError, request_failure
 from engine.frame_path import FRAME_PATHS
 from engine.generate import BatchSampling, RunawayGuard
 from engine.kv_cache import CacheShape
 from engine.prompt import Prompt, Voice
+from engine.requests import check_request, check_text
 from engine.runner import ModelRunner, StepBatch
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -33,9 +40,8 @@ from engine.text_cleanup import clean_text
 from engine.text_stream import TextFeed
 from engine.tts import TTSModel
 
-
-class EngineFull(RequestError):
-    """The engine's queue is full; the caller should retry later or shed load."""
+DEVICE_FAULT = getattr(torch, "AcceleratorError", ())  # a CUDA error: the device, not a request, is at fault
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ class Finished:
     request_id: int
     reason: str  # "eos" | "length" | "error"
     frames: int
-    error: str | None = None
+    error: VoxgateError | None = None  # set when reason is "error"
 
 
 Event = AudioChunk | Finished
@@ -86,7 +92,7 @@ class EngineConfig:
     guard: RunawayGuard = field(default_factory=RunawayGuard)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a stream is one request
 class _Stream:
     request_id: int
     request: SynthesisRequest
@@ -99,7 +105,7 @@ class _Stream:
     pending: list[torch.Tensor] = field(default_factory=list)
     decoded_frames: int = 0
     done: str | None = None
-    error: str | None = None
+    error: VoxgateError | None = None
     cancelled: bool = False
     first_audio_at: float | None = None
 
@@ -160,27 +166,30 @@ class Engine:
                 or any(s.text_id() is not None or s.pending for s in self.running.values()))
 
     def submit(self, request: SynthesisRequest) -> int:
-        """Validate and queue a request; raises RequestError (bad input) or EngineFull at once."""
+        """Validate and queue a request. Raises at once: RequestError (bad input), EngineFull, or SynthesisFailed
+        (planning it raised unexpectedly)."""
+        check_request(self.tts, request)
         if len(self.waiting) >= self.config.max_waiting:
             raise EngineFull(f"the engine is full ({len(self.waiting)} requests waiting); try again later")
-        if request.text_complete:
-            text = clean_text(request.text) if request.clean_text else request.text
-            plan = self.tts.plan(text, request.voice, language=request.language, layout=request.layout,
-                                 sampling=request.sampling, max_frames=request.max_frames, guard=self.config.guard)
-            stream = _Stream(next(self._ids), request, plan.prompt, plan.sampling,
-                             min(plan.max_frames, self._room(plan.prompt)))
-        else:
-            stream = self._streaming(request)
+        try:
+            stream = self._planned(request) if request.text_complete else self._streaming(request)
+        except VoxgateError:
+            raise
+        except Exception as error:
+            raise _request_failure(error, "planning the request") from error
         self.waiting.append(stream)
         return stream.request_id
 
+    def _planned(self, request: SynthesisRequest) -> _Stream:
+        """A request whose whole text is here: tokenized and prompted now."""
+        text = clean_text(request.text) if request.clean_text else request.text
+        plan = self.tts.plan(text, request.voice, language=request.language, layout=request.layout,
+                             sampling=request.sampling, max_frames=request.max_frames, guard=self.config.guard)
+        max_frames = min(plan.max_frames, self._room(plan.prompt))
+        return _Stream(next(self._ids), request, plan.prompt, plan.sampling, max_frames)
+
     def _streaming(self, request: SynthesisRequest) -> _Stream:
-        """A request whose text is still arriving; checked now, its prompt built once its first text is in."""
-        if request.layout not in (None, "streaming"):
-            raise RequestError("streaming text needs the streaming text layout")
-        if request.max_frames is not None and request.max_frames < 1:
-            raise RequestError("max_frames must be at least 1")
-        self.tts.resolve_language(request.language)
+        """A request whose text is still arriving; its prompt is built once its first text is in."""
         cfg = self.tts.config
         feed = TextFeed(self.tts.tokenizer, cfg.tts_eos_token_id, cfg.tts_pad_token_id, request.clean_text)
         feed.append(request.text)
@@ -194,24 +203,33 @@ class Engine:
         return stream
 
     def append_text(self, request_id: int, text: str) -> None:
-        """More text for a streaming-text request."""
+        """More text for a streaming-text request. Raises RequestError for a request that is not open for text (the
+        call had no effect); text that cannot be read fails the request alone, its Finished says why."""
         stream = self._find(request_id)
         if stream.feed.ended:
             raise RequestError(f"request {request_id}: text appended after its end")
-        stream.feed.append(text)
+        try:
+            check_text("text", text)
+            stream.feed.append(text)
+        except Exception as error:
+            self._end(stream, "error", _request_failure(error, "tokenizing its text"))
 
     def end_text(self, request_id: int) -> None:
         """The text of a streaming-text request is complete: it speaks to the end, then finishes."""
         stream = self._find(request_id)
-        stream.feed.end()
+        try:
+            stream.feed.end()
+        except Exception as error:
+            self._end(stream, "error", _request_failure(error, "tokenizing its text"))
+            return
         if stream.request.max_frames is None:
             stream.max_frames = min(stream.max_frames, self.config.guard.limit(len(stream.feed.ids)))
 
     def _room(self, prompt: Prompt) -> int:
         length = prompt.prefill.shape[0]
         if length >= self.runner.capacity:
-            raise RequestError(f"the prompt takes {length} positions, more than the engine's "
-                               f"context of {self.runner.capacity}; shorten the text")
+            raise TextTooLong(f"the prompt takes {length} positions, more than the engine's "
+                              f"context of {self.runner.capacity}; shorten the text")
         return self.runner.capacity - length
 
     def cancel(self, request_id: int) -> bool:
@@ -232,7 +250,8 @@ class Engine:
 
     def step(self, on_audio: Callable[[list[Event]], None] | None = None) -> list[Event]:
         """Admit, run one frame for the runnable requests the scheduler picks (a request whose next text has not
-        arrived holds), queue the decoding of what is due. Returns the new events.
+        arrived holds), queue the decoding of what is due. Returns the new events. Raises (EngineFailed, a device
+        fault) only when the engine as a whole has failed.
 
         With overlapped decoding, the audio queued in one step is collected in the next one while that step's frame
         runs on the GPU; `on_audio`, if given, receives it then, before the frame's codes are waited for. A step that
@@ -241,19 +260,14 @@ class Engine:
         held = [s for s in self.running.values() if s.text_id() is None]
         streams = self.scheduler.select([s for s in self.running.values() if s.text_id() is not None],
                                         time.monotonic())
-        codes = self._step(self._batch(streams)) if streams else None  # queued on the GPU
+        parts = self._frames(streams)  # queued on the GPU
         events = self._collect() if self.decoding.overlap else []
         if on_audio is not None and events:
             on_audio(events)
             events = []
-        if codes is not None:
-            self._take_frames(streams, codes.cpu())  # the step's one device-to-host copy
-        self._queue_decodes(streams, held)
-        for stream in streams:
-            if stream.done:
-                del self.running[stream.request_id]
-                self.free_slots.append(stream.slot)
-                self._finishing.append(stream)
+        for part, codes in parts:
+            self._take_frames(part, codes.cpu())  # the step's one device-to-host copy
+        self._queue_decodes([s for part, _ in parts for s in part], held)
         if not self.decoding.overlap or self._first_audio_queued():
             events += self._collect()
         return events
@@ -261,21 +275,71 @@ class Engine:
     def _first_audio_queued(self) -> bool:
         return any(start_sample == 0 for pending in self._in_flight for _, start_sample in pending.owners)
 
+    def _frames(self, streams: list[_Stream]) -> list[tuple[list[_Stream], torch.Tensor]]:
+        """One frame for `streams`: (streams, codes) of each batch that ran. A batch that raises is bisected until
+        the culprits are alone, and only they fail: running a subset again is safe, since a frame's KV-cache writes
+        are idempotent, a request's state only advances once its frame has run, and the sampling noise is a pure
+        function of (seed, frame, codebook). If every request fails alone, the fault is the engine's."""
+        parts = self._isolated(streams, lambda batch: self._step(self._batch(batch)), "running its frame",
+                               retry=lambda batch: self._step(self._batch(batch)).cpu())  # before a graph reruns
+        if len(streams) > 1 and not parts:
+            raise EngineFailed(f"a step failed for each of its {len(streams)} requests alone")
+        return parts
+
+    def _isolated(self, streams: list[_Stream], run: Callable[[list[_Stream]], T], stage: str,
+                  retry: Callable[[list[_Stream]], T] | None = None) -> list[tuple[list[_Stream], T]]:
+        """`run(streams)` as one batch; if it raises, `retry` (default: `run`) on each half, recursively, so that
+        only the streams that fail alone end, with a typed error. Returns each batch that ran, with its result. A
+        device fault is not bisected: it is the engine's."""
+        if not streams:
+            return []
+        try:
+            return [(streams, run(streams))]
+        except Exception as error:
+            if isinstance(error, DEVICE_FAULT):
+                raise
+            if len(streams) == 1:
+                self._end(streams[0], "error", request_failure(error, stage))
+                return []
+        retry = retry or run
+        middle = len(streams) // 2
+        return self._isolated(streams[:middle], retry, stage) + self._isolated(streams[middle:], retry, stage)
+
     def _take_frames(self, streams: list[_Stream], codes: torch.Tensor) -> None:
         eos = self.tts.config.talker.codec_eos_token_id
         for stream, frame in zip(streams, codes):
             if frame[0].item() == eos:
-                stream.done = "eos"
+                self._end(stream, "eos")
                 continue
             stream.pending.append(frame)
             stream.frames += 1
             if stream.first_audio_at is None:
                 stream.first_audio_at = time.monotonic()
             if stream.frames >= stream.max_frames:
-                stream.done = "length"
+                self._end(stream, "length")
+
+    def _end(self, stream: _Stream, reason: str, error: VoxgateError | None = None) -> None:
+        """The stream is done: its slot is free for the next admission (decodes queued for it run first), and its
+        Finished follows its last audio. A failed stream's frames not yet decoded are dropped."""
+        stream.done, stream.error = reason, error
+        if error is not None:
+            stream.pending.clear()
+        if self.running.pop(stream.request_id, None) is not None:
+            self.free_slots.append(stream.slot)
+        elif stream in self.waiting:
+            self.waiting.remove(stream)
+        if stream not in self._finishing:
+            self._finishing.append(stream)
 
     def _admit(self) -> None:
-        """Prefill, in one batch, the waiting requests that have their first text, oldest first."""
+        """Prefill, in one batch, the waiting requests that have their first text, oldest first, and start their
+        decoders; a request whose prompt, prefill or decoder start raises fails alone."""
+        admitted = self._admissible()
+        prefilled = [s for part, _ in self._isolated(admitted, self._prefill, "prefilling its prompt") for s in part]
+        self._isolated(prefilled, self._start_decoders, "starting its decoder")
+
+    def _admissible(self) -> list[_Stream]:
+        """The waiting requests that can start now, each moved to a slot."""
         admitted: list[_Stream] = []
         for stream in list(self.waiting):
             if len(admitted) >= self.config.max_prefill_batch:
@@ -288,18 +352,21 @@ class Engine:
                 break
             self.waiting.remove(stream)
             stream.slot = self.free_slots.pop(0)
+            self.running[stream.request_id] = stream
             admitted.append(stream)
-        if not admitted:
-            return
-        self.runner.prefill([s.slot for s in admitted], [s.prompt.prefill for s in admitted])
-        for stream in admitted:
-            ref_codes = stream.request.voice.ref_codes
-            with self.decoding.context():  # after any decode still queued for the slot's previous request
+        return admitted
+
+    def _prefill(self, streams: list[_Stream]) -> None:
+        self.runner.prefill([s.slot for s in streams], [s.prompt.prefill for s in streams])
+
+    def _start_decoders(self, streams: list[_Stream]) -> None:
+        with self.decoding.context():  # after any decode still queued for the slot's previous request
+            for stream in streams:
                 self.decoders.reset(stream.slot)
+                ref_codes = stream.request.voice.ref_codes
                 if ref_codes is not None and ref_codes.shape[0]:
                     # Voice cloning: the reference frames are the decoder's left context, never heard.
                     self.decoders.decode([stream.slot], ref_codes[None])
-            self.running[stream.request_id] = stream
 
     def _ready(self, stream: _Stream) -> bool:
         """Whether the prefill has its text: the first token, or for voice cloning enough tokens to fill the
@@ -313,30 +380,29 @@ class Engine:
         return len(voice.ref_text_ids) + len(feed.ids) >= voice.ref_codes.shape[0] + 1
 
     def _prepare(self, stream: _Stream) -> bool:
-        """Build a streaming-text request's prompt from the ids in so far; a bad request fails alone."""
-        feed, request = stream.feed, stream.request
+        """Build a streaming-text request's prompt from the ids in so far; a request that fails here fails alone."""
         try:
-            if feed.ended and not feed.text.strip():
-                raise RequestError("text is empty")
-            stream.prompt = self.tts.prompt_from_ids(feed.ids, request.voice, request.language, "streaming")
-            stream.max_frames = min(stream.max_frames, self._room(stream.prompt))
-        except RequestError as error:
-            return self._fail_waiting(stream, str(error))
+            self._build_prompt(stream)
+        except Exception as error:
+            self._end(stream, "error", _request_failure(error, "building its prompt"))
+            return False
+        return True
+
+    def _build_prompt(self, stream: _Stream) -> None:
+        feed, request = stream.feed, stream.request
+        if feed.ended and not feed.text.strip():
+            raise EmptyText("text is empty")
+        stream.prompt = self.tts.prompt_from_ids(feed.ids, request.voice, request.language, "streaming")
+        stream.max_frames = min(stream.max_frames, self._room(stream.prompt))
         voice = request.voice
         if voice.ref_codes is None:
             feed.consumed = 1
-        else:  # the prefill lays reference text + text (+ tts_eos once ended) over codec bos + reference frames
-            track = len(voice.ref_text_ids) + len(feed.ids) + feed.ended
-            feed.consumed = min(voice.ref_codes.shape[0] + 1, track) - len(voice.ref_text_ids)
-            if feed.consumed < 0:
-                return self._fail_waiting(stream, "the reference transcript has more tokens than its audio has frames")
-        return True
-
-    def _fail_waiting(self, stream: _Stream, error: str) -> bool:
-        self.waiting.remove(stream)
-        stream.done, stream.error = "error", error
-        self._finishing.append(stream)
-        return False
+            return
+        # the prefill lays reference text + text (+ tts_eos once ended) over codec bos + reference frames
+        track = len(voice.ref_text_ids) + len(feed.ids) + feed.ended
+        feed.consumed = min(voice.ref_codes.shape[0] + 1, track) - len(voice.ref_text_ids)
+        if feed.consumed < 0:
+            raise RequestError("the reference transcript has more tokens than its audio has frames")
 
     def _batch(self, streams: list[_Stream]) -> StepBatch:
         device = self.tts.device
@@ -368,25 +434,31 @@ class Engine:
     def _queue_decodes(self, streams: list[_Stream], held: list[_Stream]) -> None:
         """Queue the decoding of every stream whose next chunk is due, batching streams with the same chunk length;
         a held stream's frames are due at once. A chunk whose length has no decoder graph goes as pieces that have
-        one, in order."""
+        one, in order. A batch that raises is retried in halves down to single streams: the decoder's state is only
+        written back once a decode has run, and only a stream that fails alone ends."""
         due = [s for s in streams if s.pending and (len(s.pending) >= self._chunk_due(s.decoded_frames) or s.done)]
         due += [s for s in held if s.pending]
-        work = [(stream, self.decoders.pieces(len(stream.pending))) for stream in due]
-        samples_per_frame = self.tts.decoder.samples_per_frame
+        pieces = {stream: self.decoders.pieces(len(stream.pending)) for stream in due}
         with self.decoding.context():
-            for piece in range(max((len(lengths) for _, lengths in work), default=0)):
-                groups: dict[int, list[tuple[_Stream, int]]] = {}  # length -> (stream, first frame of its piece)
-                for stream, lengths in work:
-                    if piece < len(lengths):
-                        groups.setdefault(lengths[piece], []).append((stream, sum(lengths[:piece])))
+            for piece in range(max(map(len, pieces.values()), default=0)):
+                groups: dict[int, list[_Stream]] = {}  # length -> the streams whose piece has that length
+                for stream, lengths in pieces.items():
+                    if piece < len(lengths) and stream.error is None:
+                        groups.setdefault(lengths[piece], []).append(stream)
                 for length, group in groups.items():
-                    codes = torch.stack([torch.stack(s.pending[first:first + length]) for s, first in group])
-                    audio = self.decoders.decode([s.slot for s, _ in group], codes)
-                    owners = [(s, (s.decoded_frames + first) * samples_per_frame) for s, first in group]
-                    self._in_flight.append(self.decoding.to_host(owners, audio))
+                    first = {stream: sum(pieces[stream][:piece]) for stream in group}
+                    self._isolated(group, partial(self._decode, first=first, length=length), "decoding its audio")
         for stream in due:
             stream.decoded_frames += len(stream.pending)
             stream.pending.clear()
+
+    def _decode(self, streams: list[_Stream], first: dict[_Stream, int], length: int) -> None:
+        """Queue the decoding of frames first[s]..first[s]+length of each stream's pending frames."""
+        codes = torch.stack([torch.stack(s.pending[first[s]:first[s] + length]) for s in streams])
+        audio = self.decoders.decode([s.slot for s in streams], codes)
+        samples_per_frame = self.tts.decoder.samples_per_frame
+        owners = [(s, (s.decoded_frames + first[s]) * samples_per_frame) for s in streams]
+        self._in_flight.append(self.decoding.to_host(owners, audio))
 
     def _collect(self) -> list[Event]:
         """The queued chunks (waiting for their decode if needed), then the Finished of streams that ended."""
@@ -398,3 +470,10 @@ class Engine:
         events += [Finished(s.request_id, s.done, s.frames, s.error) for s in self._finishing if not s.cancelled]
         self._in_flight, self._finishing = [], []
         return events
+
+
+def _request_failure(error: Exception, stage: str) -> VoxgateError:
+    """A request's failure as its typed error; a device fault is the engine's, so it propagates."""
+    if isinstance(error, DEVICE_FAULT):
+        raise error
+    return request_failure(error, stage)

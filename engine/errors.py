@@ -1,4 +1,8 @@
-"""Errors a user can cause and fix; each message names the problem so no traceback is needed."""
+"""The engine's errors, by type: callers map a type to their own codes (the gateway: `realtime/errors.py`), never a
+message to anything. Each message names the problem for the user, so no traceback is needed. They pickle, so the
+engine process sends them to its parent as they are."""
+
+import logging
 
 
 class VoxgateError(Exception):
@@ -10,8 +14,38 @@ class CheckpointError(VoxgateError):
 
 
 class RequestError(VoxgateError):
-    """A synthesis request asks for something this model cannot do (bad voice, empty text, ...)."""
+    """A synthesis request asks for something this model cannot do (bad voice, bad language, bad text, ...)."""
 
 
 class AudioInputError(RequestError):
     """A reference audio cannot be read or is unusable."""
+
+
+class EmptyText(RequestError):
+    """The request's text has nothing to speak."""
+
+
+class TextTooLong(RequestError):
+    """The request's text (or instructions) does not fit: a documented limit, or the engine's context."""
+
+
+class EngineFull(VoxgateError):
+    """The engine's queue is full; the caller should retry later or shed load."""
+
+
+class SynthesisFailed(VoxgateError):
+    """This request failed inside the engine (its tokenization, prompt, prefill, step or decode raised); the engine
+    and every other request go on."""
+
+
+class EngineFailed(VoxgateError):
+    """The engine as a whole failed (a device fault, a stalled step, its process died): every open request ends."""
+
+
+def request_failure(error: Exception, stage: str) -> VoxgateError:
+    """A request's failure as its typed error: a VoxgateError as it is; anything else is a bug, logged with its
+    traceback for the operator, while the user hears which stage failed."""
+    if isinstance(error, VoxgateError):
+        return error
+    logging.getLogger("voxgate").error("synthesis failed while %s", stage, exc_info=error)
+    return SynthesisFailed(f"synthesis failed while {stage}")

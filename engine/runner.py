@@ -63,8 +63,9 @@ class ModelRunner:
         talker = self.talker
         hidden = self.last_hidden[batch.slots]
         codes = self.frame.sample(hidden, self.seen[batch.slots], batch.frame_index, batch.sampling, self.suppressed)
-        self.seen.index_put_((batch.slots, codes[:, 0]), self._true)
         step_input = talker.frame_embed(codes) + talker.text_embed(batch.text_ids)
         hidden = self.frame.advance(step_input, batch.slots, batch.positions)
+        # A request's state advances only here, at the end: a step that raised before can run again (engine.py).
+        self.seen.index_put_((batch.slots, codes[:, 0]), self._true)
         self.last_hidden[batch.slots] = hidden
         return codes

@@ -1,10 +1,11 @@
 """A context: text that keeps arriving, spoken as a sequence of utterances with one continuous audio timeline.
 
 The gateway's contexts sit on this. Text goes through an `UtterancePlanner` (buffering, utterance boundaries);
-each utterance becomes one streaming-text request of the `AsyncEngine`, run one after another so that the audio
+each utterance becomes one streaming-text request of the engine's front end, run one after another so that the audio
 stays in order and sample positions keep counting across utterances. Flushes and marks are reported right after
-the last audio of the utterance they closed. With a seed, utterance k samples with seed + k, so the context's audio
-depends only on its text, its flush / mark / end points, its voice and its seed.
+the last audio of the utterance they closed. With a seed, utterance k samples with seed + k (modulo 2**63), so the
+context's audio depends only on its text, its flush / mark / end points, its voice and its seed. Whatever fails, the
+context ends with a `ContextEnd` carrying the typed error.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from engine.async_engine import AsyncEngine, RequestStream
+from engine.async_engine import FrontEnd, RequestStream
 from engine.engine import AudioChunk, Finished, SynthesisRequest
-from engine.errors import RequestError
+from engine.errors import EmptyText, RequestError, SynthesisFailed, VoxgateError, request_failure
+from engine.requests import SEED_RANGE
 from engine.utterances import Utterance, UtterancePlanner
 
 
@@ -47,14 +49,14 @@ class ContextText:
 class ContextEnd:
     reason: str  # "done" | "error"
     samples: int
-    error: str | None = None
+    error: VoxgateError | None = None
 
 
 ContextEvent = ContextAudio | ContextText | ContextMarker | ContextEnd
 
 
 class SpeechContext:
-    def __init__(self, engine: AsyncEngine, template: SynthesisRequest, planner: UtterancePlanner) -> None:
+    def __init__(self, engine: FrontEnd, template: SynthesisRequest, planner: UtterancePlanner) -> None:
         """`template` gives voice, language, sampling and clean-up; its text is ignored."""
         self.engine = engine
         self.template = template
@@ -119,19 +121,22 @@ class SpeechContext:
 
     async def _run(self) -> None:
         try:
-            index = 0
-            while True:
-                utterance = await self._next_started(index)
-                if utterance is None:
-                    break
-                if utterance.text.strip():
-                    await self._speak(utterance)
-                index += 1
-            self._emit_markers(index - 1)
-            error = None if self.samples else "text is empty"
-            self._events.put_nowait(ContextEnd("error" if error else "done", self.samples, error))
-        except (RequestError, RuntimeError) as failure:  # a refused request, a failed engine
-            self._events.put_nowait(ContextEnd("error", self.samples, str(failure)))
+            error = await self._speak_utterances()
+        except Exception as failure:  # a refused submit, a failed engine, a bug: the context ends all the same
+            error = request_failure(failure, "speaking the context")
+        self._events.put_nowait(ContextEnd("error" if error else "done", self.samples, error))
+
+    async def _speak_utterances(self) -> VoxgateError | None:
+        """Each utterance in turn, as it starts; the error that ended the context early, if any."""
+        index = 0
+        while (utterance := await self._next_started(index)) is not None:
+            if utterance.text.strip():
+                error = await self._speak(utterance)
+                if error is not None:
+                    return error
+            index += 1
+        self._emit_markers(index - 1)
+        return None if self.samples else EmptyText("text is empty")
 
     async def _next_started(self, index: int) -> Utterance | None:
         """Wait until utterance `index` starts speaking (reporting the markers of the one before it meanwhile);
@@ -148,10 +153,11 @@ class SpeechContext:
             self._wake.clear()
             await self._wake.wait()
 
-    async def _speak(self, utterance: Utterance) -> None:
-        seed = self.template.sampling.seed if self.template.sampling else None
-        sampling = (replace(self.template.sampling, seed=seed + utterance.index) if seed is not None
-                    else self.template.sampling)
+    async def _speak(self, utterance: Utterance) -> VoxgateError | None:
+        """Speak one utterance; the error its request ended with, if any."""
+        sampling = self.template.sampling
+        if sampling is not None:
+            sampling = replace(sampling, seed=(sampling.seed + utterance.index) % SEED_RANGE)
         sent = len(utterance.text)
         self._stream = stream = self.engine.submit(
             replace(self.template, text=utterance.text, sampling=sampling, text_complete=False))
@@ -164,9 +170,10 @@ class SpeechContext:
                     self._events.put_nowait(ContextAudio(start + event.start_sample, event.samples))
                     self.samples = max(self.samples, start + event.start_sample + len(event.samples))
                 elif isinstance(event, Finished) and event.reason == "error":
-                    raise RequestError(event.error or "synthesis failed")
+                    return event.error or SynthesisFailed("synthesis failed")
         finally:
             feeder.cancel()
+        return None
 
     async def _feed(self, utterance: Utterance, request_id: int, sent: int) -> None:
         """Forward the utterance's later text to its request, and its end once it closes."""

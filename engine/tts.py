@@ -13,11 +13,12 @@ import torch
 
 from engine.checkpoint import UNUSED_DECODER_TENSORS, load_module, read_tensors
 from engine.config import ModelConfig, SpeechTokenizerConfig, load_model_config, load_speech_tokenizer_config
-from engine.errors import CheckpointError, RequestError
+from engine.errors import CheckpointError, EmptyText, RequestError
 from engine.generate import RunawayGuard, generate_frames
 from engine.model.codec_decoder import CodecDecoder
 from engine.model.talker import Talker
 from engine.prompt import TEXT_LAYOUTS, Prompt, PromptBuilder, Voice
+from engine.requests import check_text
 from engine.sampling import SamplingParams
 from engine.text import TextTokenizer, load_tokenizer
 
@@ -107,6 +108,9 @@ class TTSModel:
 
     def voice(self, request: VoiceRequest) -> Voice:
         """Check the request against what this model type can do and build the voice (encodes reference audio)."""
+        for field in ("speaker", "instruct", "ref_text"):
+            if getattr(request, field) is not None:
+                check_text(field, getattr(request, field))
         kind = self.model_type
         if request.speaker and kind != "custom_voice":
             hint = "describe the voice with an instruction" if kind == "voice_design" else "give a reference audio"
@@ -175,7 +179,7 @@ class TTSModel:
     def prompt(self, text: str, voice: Voice, language: str, layout: str | None = None) -> tuple[Prompt, int]:
         """The talker prompt and the number of target text tokens."""
         if not text or not text.strip():
-            raise RequestError("text is empty")
+            raise EmptyText("text is empty")
         _, text_ids = self.tokenizer.target(text)
         return self.prompt_from_ids(text_ids, voice, language, layout), len(text_ids)
 

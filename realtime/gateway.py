@@ -1,5 +1,9 @@
 """The gateway's shared state: the model and its engine (loaded and warmed up in the background so that /health
-answers at once and /ready turns 200 only when synthesis works), the voices, limits, metrics and open sessions."""
+answers at once and /ready turns 200 only when synthesis works), the voices, limits, metrics and open sessions.
+
+When the engine fails (a device fault, a stalled step) its open requests end with `EngineFailed` and the gateway
+starts a new engine, once: /ready answers 503 meanwhile. If that fails too, or the new engine fails again soon, the
+gateway has failed for good: readiness and health turn false and `on_fatal` lets the server drain and exit."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +11,7 @@ import hmac
 import logging
 import secrets
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -15,6 +20,7 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.engine_process import EngineSpec, ProcessEngine
 from engine.engine import Engine, EngineConfig, Finished, SynthesisRequest
+from engine.errors import EngineFailed, VoxgateError
 from engine.model_source import resolve_model
 from engine.prompt import Voice
 from engine.sampling import SamplingParams
@@ -27,7 +33,10 @@ from realtime.protocol import Sampling
 from realtime.voices import CloneVoice, VoiceCatalog
 
 log = logging.getLogger("voxgate")
-STALLED_STEP_S = 30.0  # a step running longer than this means the device hangs: /ready turns 503
+STALLED_STEP_S = 30.0  # a step running longer than this means the device hangs: the engine is restarted
+WATCHDOG_INTERVAL_S = 1.0  # how often the watchdog looks for a stalled step
+REFAIL_WINDOW_S = 60.0  # an engine that fails again this soon after its restart has failed for good
+RESTART_TIMEOUT_S = 300.0  # for each of building and warming up a new engine
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,8 @@ class Limits:
     max_message_rate: float = 200.0  # client messages per second per session (bursts of twice that)
     api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    handshake_timeout_s: float = 5.0  # a request's headers (a WebSocket handshake's too) must arrive within this
+    max_connections: int | None = None  # open TCP connections, HTTP and WebSocket; None: 2 * max_sessions + 64
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,24 @@ class GatewayOptions:
     llm: LLMConfig | None = None  # the chat endpoint's LLM (/v1/chat); None: the demo speaks what the user types
     dtype: str = "auto"  # "auto": bfloat16 on a GPU, float32 on the CPU
     engine_process: bool | None = None  # the engine in a child process; None: on a GPU
+    engine_setup: Callable[[Engine], None] | None = None  # run on each engine built (EngineSpec.setup): test faults
+
+
+def check_options(options: GatewayOptions) -> None:
+    """What can be told before serving anything: the model exists and the device does; raises VoxgateError with
+    one line naming the problem (a checkpoint that is there but cannot load fails the start-up, which exits)."""
+    if options.model is not None:
+        resolve_model(options.model)
+    try:
+        device = torch.device(options.device)
+    except RuntimeError:
+        raise VoxgateError(f"--device {options.device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise VoxgateError(f"--device {options.device}: no such CUDA device (this machine has {count})")
+    elif device.type != "cpu":
+        raise VoxgateError(f"--device {options.device}: only cpu and cuda devices are served")
 
 
 class Gateway:
@@ -70,6 +99,9 @@ class Gateway:
         self.engine: AsyncEngine | ProcessEngine | None = None
         self.sessions: set = set()
         self.shutting_down = False
+        self.on_fatal: Callable[[str], None] | None = None  # the gateway failed for good (the server exits)
+        self._restarted_at: float | None = None  # when the engine was last restarted
+        self._tasks: set[asyncio.Task] = set()  # the watchdog, a restart
         self.metrics.sessions_active.set_function(lambda: len(self.sessions))
         self.metrics.engine_requests_active.set_function(lambda: self.engine.active if self.engine else 0)
         self.metrics.engine_queue_depth.set_function(
@@ -85,7 +117,7 @@ class Gateway:
         return self._model_name
 
     async def start(self) -> None:
-        """Load, build the engine, warm up; a failure is reported by /ready, never raised into the server."""
+        """Load, build the engine, warm up; a failure is fatal (`on_fatal`), never raised into the server."""
         try:
             started = time.perf_counter()
             log.info("loading the model from %s on %s", self.options.model or "the embedded tiny model",
@@ -99,9 +131,9 @@ class Gateway:
             await self._warm_up()
             self.state = "ready"
             log.info("ready in %.1f s", time.perf_counter() - started)
-        except Exception as failure:  # reported by /ready and the log; the process stays up for /health
-            self.state, self.failure = "failed", f"{type(failure).__name__}: {failure}"
-            log.error("start-up failed: %s", self.failure)
+            self._spawn(self._watch())
+        except Exception as failure:
+            self._fatal(f"start-up failed: {type(failure).__name__}: {failure}")
         finally:
             self._loaded.set()
 
@@ -127,14 +159,21 @@ class Gateway:
         threads would otherwise starve the step of the GIL; engine/engine_process.py says why)."""
         in_process = self.options.engine_process if self.options.engine_process is not None else self._gpu()
         if in_process:
-            spec = EngineSpec(self.tts.model_dir, self.options.device, self._dtype(), self._engine_config())
-            self.engine = ProcessEngine(spec, on_step=self.metrics.on_step)
+            spec = EngineSpec(self.tts.model_dir, self.options.device, self._dtype(), self._engine_config(),
+                              self.options.engine_setup)
+            self.engine = ProcessEngine(spec, self.tts, on_step=self.metrics.on_step, on_failure=self._engine_failed)
             self.engine.start()
             await self.engine.ready()
         else:
-            engine = await asyncio.to_thread(Engine, self.tts, self._engine_config())
-            self.engine = AsyncEngine(engine, on_step=self.metrics.on_step)
+            engine = await asyncio.to_thread(self._build_engine)
+            self.engine = AsyncEngine(engine, on_step=self.metrics.on_step, on_failure=self._engine_failed)
             self.engine.start()
+
+    def _build_engine(self) -> Engine:
+        engine = Engine(self.tts, self._engine_config())
+        if self.options.engine_setup is not None:
+            self.options.engine_setup(engine)
+        return engine
 
     def _engine_config(self) -> EngineConfig:
         gpu = self._gpu()
@@ -150,7 +189,7 @@ class Gateway:
         stream = self.engine.submit(replace(request, text="Warm up.", text_complete=True, max_frames=4))
         async for event in stream:
             if isinstance(event, Finished) and event.reason == "error":
-                raise RuntimeError(f"warm-up synthesis failed: {event.error}")
+                raise EngineFailed(f"warm-up synthesis failed: {event.error}")
 
     async def wait_loaded(self) -> None:
         await self._loaded.wait()
@@ -160,12 +199,68 @@ class Gateway:
             return False, self.failure or self.state
         if self.engine.error is not None:
             return False, f"engine failed: {self.engine.error}"
-        started = self.engine.last_step_started
-        if started is not None and time.monotonic() - started > STALLED_STEP_S:
-            return False, f"engine step stalled for {time.monotonic() - started:.0f} s"
+        stalled = self._stalled_s()
+        if stalled is not None:
+            return False, f"engine step stalled for {stalled:.0f} s"
         if self.shutting_down:
             return False, "shutting down"
         return True, "ready"
+
+    def healthy(self) -> bool:
+        """False once the gateway has failed for good (its server is draining to exit)."""
+        return self.state != "failed"
+
+    def _stalled_s(self) -> float | None:
+        """How long the running step has run, once that is more than STALLED_STEP_S."""
+        started = self.engine.last_step_started
+        running = time.monotonic() - started if started is not None else 0.0
+        return running if running > STALLED_STEP_S else None
+
+    async def _watch(self) -> None:
+        """A step that runs too long means the device hangs: the engine is failed (its requests end, a process
+        engine's child is killed), which restarts it."""
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            stalled = self._stalled_s()
+            if stalled is not None and self.state == "ready" and self.engine.error is None:
+                self.engine.abort(EngineFailed(f"the engine step stalled for {stalled:.0f} s"))
+
+    def _engine_failed(self, error: EngineFailed) -> None:
+        """On the event loop, once the engine has failed and its open requests have ended: start a new engine,
+        unless this one was itself a restart that failed again soon."""
+        if self.state != "ready" or self.shutting_down:
+            return  # starting (the start-up fails with it) or stopping
+        if self._restarted_at is not None and time.monotonic() - self._restarted_at < REFAIL_WINDOW_S:
+            self._fatal(f"the engine failed again within {REFAIL_WINDOW_S:.0f} s of its restart: {error}")
+            return
+        self.state, self.failure = "restarting", f"restarting the engine after its failure: {error}"
+        log.error("the engine failed, restarting it: %s", error)
+        self._spawn(self._restart_engine(error))
+
+    async def _restart_engine(self, error: EngineFailed) -> None:
+        try:
+            await self.engine.stop()
+            await asyncio.wait_for(self._start_engine(), RESTART_TIMEOUT_S)
+            await asyncio.wait_for(self._warm_up(), RESTART_TIMEOUT_S)
+        except Exception as failure:
+            self._fatal(f"the engine failed ({error}) and so did its restart: {type(failure).__name__}: {failure}")
+            return
+        self._restarted_at = time.monotonic()
+        self.state, self.failure = "ready", None
+        log.info("the engine restarted")
+
+    def _fatal(self, reason: str) -> None:
+        """The gateway cannot serve: readiness and health turn false, the log says why in one line, and the server
+        (`on_fatal`) drains and exits."""
+        self.state, self.failure = "failed", reason
+        log.error("fatal: %s", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def _spawn(self, work: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def authorized(self, key: str | None) -> bool:
         """Compared in constant time against every key (no key configured: open)."""
@@ -200,5 +295,7 @@ class Gateway:
         return SpeechContext(self.engine, template, UtterancePlanner(buffering, max_buffer_delay_ms / 1000))
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         if self.engine is not None:
             await self.engine.stop()

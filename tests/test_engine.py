@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engine import AudioChunk, Engine, EngineConfig, EngineFull, Finished, SynthesisRequest
-from engine.errors import RequestError
+from engine.engine import AudioChunk, Engine, EngineConfig, Finished, SynthesisRequest
+from engine.errors import EngineFull, TextTooLong
 from engine.sampling import SamplingParams
 from engine.tts import TTSModel, VoiceRequest
 
@@ -143,7 +143,7 @@ def test_full_engine_refuses_with_a_clear_error(tts):
 
 def test_prompt_longer_than_the_context_is_refused(tts):
     engine = Engine(tts, EngineConfig(max_batch=1, capacity=8))
-    with pytest.raises(RequestError, match="more than the engine.s context of 8"):
+    with pytest.raises(TextTooLong, match="more than the engine.s context of 8"):
         engine.submit(requests(tts, True, frames=[3, 3])[1])
 
 

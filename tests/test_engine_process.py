@@ -1,5 +1,5 @@
 """The engine in a child process behind AsyncEngine's API (tiny model, CPU): exactly the single-request path's audio
-(streaming text included), cancel, a refused request, and a child that dies."""
+(streaming text included), cancel, a refused request, and a child that dies (the gateway starts a new one)."""
 import asyncio
 import os
 import signal
@@ -12,6 +12,7 @@ import torch
 
 from engine.engine import AudioChunk, EngineConfig, Finished
 from engine.engine_process import EngineSpec, ProcessEngine
+from engine.errors import EmptyText, EngineFailed
 from engine.tts import TTSModel
 from realtime.client import VoxgateClient
 from realtime.gateway import Limits
@@ -29,7 +30,7 @@ def spec(tts: TTSModel) -> EngineSpec:
 
 
 async def started(tts: TTSModel, steps: list) -> ProcessEngine:
-    engine = ProcessEngine(spec(tts), on_step=lambda seconds, batch: steps.append(batch))
+    engine = ProcessEngine(spec(tts), tts, on_step=lambda seconds, batch: steps.append(batch))
     engine.start()
     await engine.ready()
     return engine
@@ -68,22 +69,22 @@ def test_cancel_a_refused_request_and_a_dead_child(tts):
             long = engine.submit(request(tts, "A long sentence that would take many frames.", 150, 3))
             assert isinstance(await anext(aiter(long)), AudioChunk)
             assert long.cancel() and [event async for event in long] == [] and engine.active == 0
-            refused = engine.submit(request(tts, "", 5, 4))  # empty text: the child refuses it
-            events = [event async for event in refused]
+            with pytest.raises(EmptyText):  # refused at once, by the parent
+                engine.submit(request(tts, "", 5, 4))
             another = engine.submit(request(tts, "Still here after that.", 150, 5))
             await anext(aiter(another))
             os.kill(engine._process.pid, signal.SIGKILL)  # the device fails hard: every request ends
             died = [event async for event in another]
-            return events, died, engine.error
+            return died, engine.error
         finally:
             await engine.stop()
 
-    refused, died, error = asyncio.run(main())
-    assert len(refused) == 1 and refused[0].reason == "error" and refused[0].error
-    assert isinstance(died[-1], Finished) and died[-1].reason == "error" and error == "the engine process exited"
+    died, error = asyncio.run(main())
+    assert isinstance(died[-1], Finished) and died[-1].reason == "error" and died[-1].error is error
+    assert isinstance(error, EngineFailed) and str(error) == "the engine process exited"
 
 
-def test_the_gateway_serves_through_an_engine_process_and_reports_its_death():
+def test_the_gateway_serves_through_an_engine_process_and_restarts_it_when_it_dies():
     with running_server(Limits(), engine_process=True) as server:
         async def speak():
             async with VoxgateClient.connect(server.ws) as client:
@@ -91,12 +92,26 @@ def test_the_gateway_serves_through_an_engine_process_and_reports_its_death():
 
         result = asyncio.run(speak())
         assert result.done is not None and result.done["audio_ms"] > 0 and result.frames
-        os.kill(server.gateway.engine._process.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while server.get("/ready")[0] == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        first = server.gateway.engine
+        os.kill(first._process.pid, signal.SIGKILL)
+        reasons = wait_for_ready(server)
+        assert any(b"engine process exited" in reason for reason in reasons), reasons
+        assert server.gateway.engine is not first and server.gateway.healthy()
+        result = asyncio.run(speak())
+        assert result.done is not None and result.done["audio_ms"] > 0
+
+
+def wait_for_ready(server, timeout_s: float = 60) -> list[bytes]:
+    """Polls /ready until it answers 200 again; returns the reasons it gave meanwhile (at least one 503)."""
+    reasons, deadline = [], time.monotonic() + timeout_s
+    while True:
         status, body = server.get("/ready")
-        assert status == 503 and b"engine process exited" in body
+        if status == 200 and reasons:
+            return reasons
+        if status != 200:
+            reasons.append(body)
+        assert time.monotonic() < deadline, f"/ready did not recover: {reasons[-3:]}"
+        time.sleep(0.05)
 
 
 def test_clone_voices_of_a_base_model_cross_into_the_engine_process(tiny_checkpoints, tmp_path):
@@ -124,9 +139,9 @@ def test_clone_voices_of_a_base_model_cross_into_the_engine_process(tiny_checkpo
 
 def test_a_child_that_cannot_load_and_a_stop_with_requests_open(tts, tmp_path):
     async def bad_model():
-        engine = ProcessEngine(EngineSpec(tmp_path / "nothing", "cpu", torch.float32, EngineConfig(max_batch=1)))
+        engine = ProcessEngine(EngineSpec(tmp_path / "nothing", "cpu", torch.float32, EngineConfig(max_batch=1)), tts)
         engine.start()
-        with pytest.raises(RuntimeError, match="model directory not found"):
+        with pytest.raises(EngineFailed, match="model directory not found"):
             await engine.ready()
         await engine.stop()
 

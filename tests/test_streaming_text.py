@@ -8,6 +8,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.engine import AudioChunk, Engine, EngineConfig, Finished, SynthesisRequest
+from engine.errors import EmptyText
 from engine.sampling import SamplingParams
 from engine.tts import TTSModel, VoiceRequest
 
@@ -103,7 +104,7 @@ def test_empty_streaming_text_fails_alone(tts):
     finished = {}
     while not engine.idle():
         finished.update({e.request_id: e for e in engine.step() if isinstance(e, Finished)})
-    assert finished[empty].reason == "error" and finished[empty].error == "text is empty"
+    assert finished[empty].reason == "error" and isinstance(finished[empty].error, EmptyText)
     assert finished[good].reason == "length" and finished[good].frames == 4
 
 

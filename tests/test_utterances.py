@@ -9,6 +9,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig, SynthesisRequest
+from engine.errors import EmptyText
 from engine.sampling import SamplingParams
 from engine.speech_context import ContextAudio, ContextEnd, ContextMarker, ContextText, SpeechContext
 from engine.tts import TTSModel, VoiceRequest
@@ -128,4 +129,6 @@ def test_same_text_split_differently_sounds_the_same(tts):
 def test_a_context_without_speakable_text_ends_with_an_error(tts):
     events = context_run(tts, [("append", "   "), ("flush", None), ("end", None)])
     assert isinstance(events[0], ContextMarker) and events[0].kind == "flush"
-    assert events[-1] == ContextEnd("error", 0, "text is empty")
+    end = events[-1]
+    assert isinstance(end, ContextEnd) and end.reason == "error" and end.samples == 0
+    assert isinstance(end.error, EmptyText)

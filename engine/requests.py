@@ -1,0 +1,77 @@
+"""What a synthesis request must be before the engine takes it: one check, used by `Engine.submit` and by both
+asyncio front ends at their own submit, so that an invalid request is refused at once wherever it comes from and
+never reaches the step loop. Only cheap checks live here (no tokenizing, no model work); what only the model can tell
+(an over-long prompt, text that cleans up to nothing) fails the request later, with its own typed error."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from engine.errors import EmptyText, RequestError
+from engine.prompt import TEXT_LAYOUTS
+from engine.sampling import SamplerParams, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import SynthesisRequest
+    from engine.tts import TTSModel
+
+SEED_RANGE = 2**63  # seeds are 0..2**63-1: they go to the device as int64
+
+
+def check_text(field: str, text: object) -> None:
+    """A str the tokenizer can read: valid Unicode (a lone surrogate would raise inside the tokenizer)."""
+    if not isinstance(text, str):
+        raise RequestError(f"{field} must be a string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{field} is not valid Unicode (it has a lone surrogate)") from None
+
+
+def check_request(tts: TTSModel, request: SynthesisRequest) -> None:
+    """Raises RequestError (EmptyText for a complete text with nothing to speak) naming what is wrong."""
+    check_text("text", request.text)
+    if request.text_complete and not request.text.strip():
+        raise EmptyText("text is empty")
+    if request.voice.instruct is not None:
+        check_text("instruct", request.voice.instruct)
+    if request.language is not None:
+        check_text("language", request.language)
+    tts.resolve_language(request.language)
+    if request.layout is not None and request.layout not in TEXT_LAYOUTS:
+        raise RequestError(f"unknown text layout {request.layout!r}; use one of {', '.join(TEXT_LAYOUTS)}")
+    if not request.text_complete and request.layout not in (None, "streaming"):
+        raise RequestError("streaming text needs the streaming text layout")
+    if request.max_frames is not None and not (_is_int(request.max_frames) and request.max_frames >= 1):
+        raise RequestError("max_frames must be an integer of at least 1")
+    if request.sampling is not None:
+        check_sampling(request.sampling)
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """Numbers the step can put in its tensors: a seed that fits int64, finite positive settings."""
+    if not (_is_int(sampling.seed) and 0 <= sampling.seed < SEED_RANGE):
+        raise RequestError(f"seed must be an integer from 0 to {SEED_RANGE - 1}")
+    if not (_is_int(sampling.min_new_frames) and 0 <= sampling.min_new_frames < 2**31):
+        raise RequestError("min_new_frames must be a non-negative integer")
+    if not (_is_number(sampling.repetition_penalty) and sampling.repetition_penalty > 0):
+        raise RequestError("repetition_penalty must be a positive number")
+    for name, sampler in (("talker", sampling.talker), ("code_predictor", sampling.code_predictor)):
+        _check_sampler(name, sampler)
+
+
+def _check_sampler(name: str, sampler: SamplerParams) -> None:
+    if not (_is_number(sampler.temperature) and sampler.temperature > 0):
+        raise RequestError(f"{name} temperature must be a positive number")
+    if not (_is_int(sampler.top_k) and 0 <= sampler.top_k < 2**31):
+        raise RequestError(f"{name} top_k must be a non-negative integer")
+    if not (_is_number(sampler.top_p) and 0 <= sampler.top_p <= 1):
+        raise RequestError(f"{name} top_p must be a number from 0 to 1")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

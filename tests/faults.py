@@ -1,0 +1,109 @@
+"""Fault injection for the engine tests: `inject_faults` is an engine setup hook (`EngineSpec.setup`,
+`GatewayOptions.engine_setup`; a top-level function, so the engine process can run it too) after which one stage of
+a request raises when the request's text names that stage: TOKENIZE_FAULT, PROMPT_FAULT, PREFILL_FAULT, STEP_FAULT,
+DECODE_FAULT; DEVICE_FAULT raises a CUDA-like error in the step, STALL makes the step hang, STEPS_BROKEN makes every
+step raise while that request is in the engine."""
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.engine import Engine
+from engine.text import TextTokenizer
+
+TOKENIZE = "TOKENIZEFAULT"
+PROMPT = "PROMPTFAULT"
+PREFILL = "PREFILLFAULT"
+STEP = "STEPFAULT"
+DECODE = "DECODEFAULT"
+DEVICE = "DEVICEFAULT"
+STALL = "STALLFAULT"
+STEPS_BROKEN = "STEPSBROKEN"
+STALL_S = 60.0
+
+
+class InjectedFault(RuntimeError):
+    """What an injected stage raises: an unexpected exception, as a bug would raise."""
+
+
+def inject_faults(engine: Engine) -> None:
+    """Instrument `engine` (its own copy of the model object, so that other engines sharing it are untouched); one
+    intra-op thread, as the test process runs with (`one_thread`), so that both give the same numbers."""
+    torch.set_num_threads(1)
+    tts = engine.tts = copy.copy(engine.tts)
+    tts.tokenizer = TextTokenizer(_Tokenizer(tts.tokenizer.tokenizer))
+    tts.prompt_from_ids = _checked(tts.prompt_from_ids, lambda ids, *_: _raise_if(PROMPT, _decode(tts, ids)))
+    engine.runner.prefill = _checked(engine.runner.prefill, lambda slots, _: _raise_for(engine, PREFILL, slots))
+    engine.decoders.decode = _checked(engine.decoders.decode, lambda slots, _: _raise_for(engine, DECODE, slots))
+    engine._step = _checked(engine._step, lambda batch: _step_faults(engine, batch.slots.tolist()))
+
+
+def _checked(function: Callable, check: Callable) -> Callable:
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        check(*args, **kwargs)
+        return function(*args, **kwargs)
+
+    return checked
+
+
+def _step_faults(engine: Engine, slots: list[int]) -> None:
+    if any(STEPS_BROKEN in _text(stream) for stream in engine.running.values()):
+        raise InjectedFault("every step fails")
+    _raise_for(engine, STEP, slots)
+    if _marked(engine, DEVICE, slots):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (injected)")
+    if _marked(engine, STALL, slots):
+        time.sleep(STALL_S)
+
+
+def _raise_for(engine: Engine, marker: str, slots: list[int]) -> None:
+    if _marked(engine, marker, slots):
+        raise InjectedFault(f"injected: {marker}")
+
+
+def _marked(engine: Engine, marker: str, slots: list[int]) -> bool:
+    return any(stream.slot in slots and marker in _text(stream) for stream in engine.running.values())
+
+
+def _text(stream) -> str:
+    return stream.feed.text if stream.feed is not None else stream.request.text
+
+
+def _decode(tts, ids: list[int]) -> str:
+    return tts.tokenizer.tokenizer.decode(ids)
+
+
+def _raise_if(marker: str, text: str) -> None:
+    if marker in text:
+        raise InjectedFault(f"injected: {marker}")
+
+
+class _Tokenizer:
+    """A `tokenizers.Tokenizer` that raises for text naming TOKENIZE, in whole (encode) or in pieces (streaming)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def pre_tokenizer(self) -> _PreTokenizer:
+        return _PreTokenizer(self._inner.pre_tokenizer)
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        _raise_if(TOKENIZE, text)
+        return self._inner.encode(text, *args, **kwargs)
+
+
+class _PreTokenizer:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def pre_tokenize_str(self, text: str) -> Any:
+        _raise_if(TOKENIZE, text)
+        return self._inner.pre_tokenize_str(text)
