@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
+
+import numpy as np
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -19,9 +23,20 @@ from realtime.gateway import Gateway
 from realtime.protocol import (CLOSE_OVERLOADED, CLOSE_POLICY, CLOSE_UNAUTHORIZED, ProtocolError, SessionConfig,
                                configure, error_event, query_fields)
 from realtime.session import Session
-from realtime.speech_http import HTTPError, parse_speech_request, pcm_bytes, sse_events, start_speech, whole_file
+from realtime.errors import HTTPFailure
+from realtime.speech_http import (SpeechRequest, parse_speech_request, pcm_bytes, sse_events, start_speech,
+                                  whole_file)
 
-WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+log = logging.getLogger("voxgate")
+
+
+def _web_dir() -> Path | None:
+    """The demo's files: beside this package when installed from a wheel, at the repository's top in a checkout."""
+    here = Path(__file__).resolve().parent
+    return next((folder for folder in (here / "web", here.parent / "web") if (folder / "index.html").is_file()), None)
+
+
+WEB_DIR = _web_dir()
 
 
 def create_app(gateway: Gateway) -> Starlette:
@@ -34,6 +49,9 @@ def create_app(gateway: Gateway) -> Starlette:
         await gateway.stop()
 
     async def health(request: Request) -> Response:
+        """ok while the process can serve or still become ready; 503 once it has failed for good (and exits)."""
+        if not gateway.healthy():
+            return JSONResponse({"status": "failed", "reason": gateway.readiness()[1]}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
@@ -54,18 +72,11 @@ def create_app(gateway: Gateway) -> Starlette:
         if refused is not None:
             return refused
         try:
-            spoken = parse_speech_request(await request.body(), gateway)
-            chunks = start_speech(spoken, gateway)
-            if spoken.sse:
-                response = StreamingResponse(sse_events(chunks), media_type="text/event-stream")
-            elif spoken.response_format == "pcm":
-                response = StreamingResponse(_pcm_stream(chunks), media_type="audio/pcm",
-                                             headers={"X-Sample-Rate": "24000"})
-            else:
-                body, media_type = await whole_file(chunks, spoken.response_format)
-                response = Response(body, media_type=media_type)
-        except HTTPError as failure:
+            spoken = parse_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
+            response = await _speech_response(spoken, start_speech(spoken, gateway))
+        except HTTPFailure as failure:
             gateway.metrics.http_requests.labels(status=str(failure.status)).inc()
+            gateway.metrics.errors.labels(code=failure.code).inc()
             return JSONResponse(failure.body(), status_code=failure.status)
         gateway.metrics.http_requests.labels(status="200").inc()
         return response
@@ -77,13 +88,8 @@ def create_app(gateway: Gateway) -> Starlette:
             await _refuse(websocket, gateway, *refusal)
             return
         fields, errors = query_fields(dict(websocket.query_params))
-        config, config_errors = configure(SessionConfig(), fields)
-        session = Session(websocket, gateway, config)
-        gateway.sessions.add(session)
-        try:
-            await session.run(errors + config_errors)
-        finally:
-            gateway.sessions.discard(session)
+        config, config_errors = configure(SessionConfig(), fields, gateway.voices)
+        await Session(websocket, gateway, config).run(errors + config_errors)
 
     async def chat(websocket: WebSocket) -> None:
         await websocket.accept()
@@ -101,15 +107,54 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
         WebSocketRoute("/v1/tts/stream", stream), WebSocketRoute("/v1/chat", chat),
     ]
-    if WEB_DIR.is_dir():  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
+    if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
         routes += [Route("/", demo_page),
                    Mount("/static", StaticFiles(directory=WEB_DIR))]
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-async def _pcm_stream(chunks):
+async def _body(request: Request, max_bytes: int) -> bytes:
+    """The request body, read no further than `max_bytes` (413 past it)."""
+    too_large = HTTPFailure(413, "text_too_long", f"the body takes at most {max_bytes} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > max_bytes:
+            raise too_large
+    return bytes(body)
+
+
+async def _speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarray]) -> Response:
+    """Streamed formats start once the first audio is made, so that a request failing before any audio gets its
+    error status instead of an empty 200."""
+    if not (spoken.sse or spoken.response_format == "pcm"):
+        body, media_type = await whole_file(chunks, spoken.response_format)
+        return Response(body, media_type=media_type)
+    first = await anext(chunks, None)
+    if spoken.sse:
+        return StreamingResponse(sse_events(_prepend(first, chunks)), media_type="text/event-stream")
+    return StreamingResponse(_pcm_stream(_prepend(first, chunks)), media_type="audio/pcm",
+                             headers={"X-Sample-Rate": "24000"})
+
+
+async def _prepend(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
+    if first is not None:
+        yield first
     async for samples in chunks:
-        yield pcm_bytes(samples)
+        yield samples
+
+
+async def _pcm_stream(chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
+    """Raw PCM has no way to say that a stream failed after its status went out: it ends early (and the log says
+    why)."""
+    try:
+        async for samples in chunks:
+            yield pcm_bytes(samples)
+    except HTTPFailure as failure:
+        log.warning("a streamed speech response ended early: %s", failure.code)
 
 
 def _bearer(headers) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,16 +82,23 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the realtime gateway (WebSocket voxgate.v1 and HTTP)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", help="checkpoint directory or hub id (default: the embedded tiny model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable; none: open)")
-    p.add_argument("--max-sessions", type=int, default=d.max_sessions)
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accepted API key (repeatable; with $VOXGATE_API_KEYS and --api-key-file; none: open)")
+    p.add_argument("--api-key-file", type=Path,
+                   help="accepted API keys, one a line (# comments): keeps them out of `ps`")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="open WebSocket sessions")
     p.add_argument("--max-contexts", type=int, default=d.max_contexts, help="open contexts per session")
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="text per context")
-    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="a socket message or HTTP body")
     p.add_argument("--max-message-rate", type=float, default=d.max_message_rate, help="messages/s per session")
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, help="seconds")
+    p.add_argument("--handshake-timeout", type=float, default=d.handshake_timeout_s,
+                   help="seconds a connection has to send a request's headers (or its WebSocket handshake)")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections, HTTP and WebSocket (None: 2 x --max-sessions + 64); above --max-sessions")
     p.add_argument("--send-queue-ms", type=int, default=d.send_queue_ms,
                    help="audio queued per session before its synthesis pauses")
     p.add_argument("--clone-voice", action="append", default=[], metavar="NAME=WAV[:TRANSCRIPT]",
@@ -103,38 +111,64 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the engine in its own process (auto: on a GPU), away from the gateway's threads")
     p.add_argument("--llm-url", help="OpenAI-compatible API base for the demo's chat (e.g. http://localhost:11434/v1)")
     p.add_argument("--llm-model", help="the model name sent to --llm-url")
-    p.add_argument("--llm-api-key", help="API key for --llm-url")
+    p.add_argument("--llm-api-key", help="API key for --llm-url (or $VOXGATE_LLM_API_KEY)")
     p.add_argument("--llm-system-prompt", default=DEFAULT_SYSTEM_PROMPT)
     p.set_defaults(run=run_serve)
 
 
-def run_serve(args: argparse.Namespace) -> None:
+def run_serve(args: argparse.Namespace) -> int:
+    """The gateway until it stops; a non-zero status when it failed for good (the model did not load)."""
     from realtime.gateway import GatewayOptions, Limits
     from realtime.llm import LLMConfig
-    from realtime.server import serve
+    from realtime.server import connection_cap, serve
     from realtime.voices import CloneVoice
 
     for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms"):
         if getattr(args, name) < 1:
             raise VoxgateError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.idle_timeout <= 0 or args.max_message_rate <= 0:
-        raise VoxgateError("--idle-timeout and --max-message-rate must be positive")
+    if args.idle_timeout <= 0 or args.max_message_rate <= 0 or args.handshake_timeout <= 0:
+        raise VoxgateError("--idle-timeout, --handshake-timeout and --max-message-rate must be positive")
     try:
         clones = tuple(CloneVoice.parse(spec) for spec in args.clone_voice)
     except ValueError as failure:
         raise VoxgateError(str(failure)) from None
     limits = Limits(args.max_sessions, args.max_contexts, args.max_text_chars, args.max_message_bytes,
-                    args.idle_timeout, args.send_queue_ms, args.max_message_rate, tuple(args.api_key),
-                    tuple(args.allowed_origin))
+                    args.idle_timeout, args.send_queue_ms, args.max_message_rate, api_keys(args),
+                    tuple(args.allowed_origin), args.handshake_timeout, args.max_connections)
+    if connection_cap(limits) <= limits.max_sessions:
+        raise VoxgateError("--max-connections must be more than --max-sessions")
     if bool(args.llm_url) != bool(args.llm_model):
         raise VoxgateError("--llm-url and --llm-model go together")
-    llm = LLMConfig(args.llm_url, args.llm_model, args.llm_api_key, args.llm_system_prompt) if args.llm_url else None
+    llm_key = args.llm_api_key or os.environ.get("VOXGATE_LLM_API_KEY") or None
+    llm = LLMConfig(args.llm_url, args.llm_model, llm_key, args.llm_system_prompt) if args.llm_url else None
+    options = GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm, dtype=args.dtype,
+                             engine_process={"auto": None, "on": True, "off": False}[args.engine_process])
     try:
-        serve(GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm, dtype=args.dtype,
-                             engine_process={"auto": None, "on": True, "off": False}[args.engine_process]),
-              args.host, args.port)
+        return serve(options, args.host, args.port)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop
-        pass
+        return 0
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key, $VOXGATE_API_KEYS (comma-separated) and --api-key-file (one a line), merged: the last two keep
+    keys off the command line, where `ps` shows them."""
+    keys = list(args.api_key) + os.environ.get("VOXGATE_API_KEYS", "").split(",")
+    if args.api_key_file is not None:
+        keys += _key_file(args.api_key_file)
+    return tuple(dict.fromkeys(key.strip() for key in keys if key.strip()))
+
+
+def _key_file(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as failure:
+        raise VoxgateError(f"cannot read --api-key-file {path}: {failure.strerror or failure}") from None
+    except UnicodeDecodeError:
+        raise VoxgateError(f"--api-key-file {path} is not UTF-8 text") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise VoxgateError(f"--api-key-file {path} holds no key")
+    return keys
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> None:
@@ -152,11 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     _checkpoint_parser(sub)
     args = parser.parse_args(argv)
     try:
-        args.run(args)
+        return args.run(args) or 0
     except VoxgateError as exc:
         print(f"voxgate: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

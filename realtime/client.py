@@ -1,4 +1,4 @@
-"""An asyncio client for the voxgate.v1 socket (../shared/PROTOCOL.md), for tests, the load generator and examples.
+"""An asyncio client for the voxgate.v1 socket (docs/PROTOCOL.md), for tests, the load generator and examples.
 
 One reader task owns the socket's receiving side: it stamps each message with its arrival time (so latencies are
 not skewed by whoever consumes them later) and routes it either to the `speak()` call waiting for its context or
@@ -338,15 +338,34 @@ async def _aiter(pieces: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[st
 
 # --- decoding ------------------------------------------------------------------------------------------------------
 
+def context_audio(result: ContextResult, session: dict[str, Any]) -> np.ndarray:
+    """A context's audio as float32 samples at the session's rate, however it was sent (`opus` decoded, `pcm_s16le`
+    as is); `session` is the `session.started` it was sent under (`VoxgateClient.session`)."""
+    audio = session["audio"]
+    if audio["encoding"] == "opus":
+        return decode_opus(result.frames, audio["sample_rate"], audio.get("pre_skip", 0))
+    if audio["encoding"] == "pcm_s16le":
+        return pcm_from_frames(result.frames)
+    raise ValueError(f"{audio['encoding']} audio is for telephony: pass its bytes on as they are")
+
+
 def decode_opus(frames: Iterable[AudioFrame], sample_rate: int, pre_skip: int = 0) -> np.ndarray:
     """Float32 samples of a context's Opus packets, the decoder's first `pre_skip` samples dropped (Ogg Opus
-    semantics); empty payloads (a LAST frame carrying no audio) are skipped, as the protocol requires."""
+    semantics) at the start and again after each DISCONTINUITY frame (a fresh encoder: after a flush or mark);
+    empty payloads (a LAST frame carrying no audio) are skipped, as the protocol requires."""
     import opuslib_next as opuslib
 
-    decoder = opuslib.Decoder(sample_rate, 1)
     max_samples = sample_rate * 120 // 1000  # the longest Opus packet
-    pcm = b"".join(decoder.decode(f.payload, max_samples) for f in frames if f.payload)
-    return (np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0)[pre_skip:]
+    pieces, decoder = [], None
+    for frame in frames:
+        if not frame.payload:
+            continue
+        if decoder is None or frame.flags & FLAG_DISCONTINUITY:
+            decoder, skip = opuslib.Decoder(sample_rate, 1), pre_skip
+        samples = np.frombuffer(decoder.decode(frame.payload, max_samples), dtype="<i2")
+        pieces.append(samples[skip:])
+        skip = max(0, skip - len(samples))
+    return np.concatenate(pieces).astype(np.float32) / 32768.0 if pieces else np.zeros(0, np.float32)
 
 
 def pcm_from_frames(frames: Iterable[AudioFrame]) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -20,9 +21,12 @@ from engine.speech_context import ContextAudio, ContextEnd, ContextMarker, Conte
 from realtime.audio import AudioFormat, EncodedFrame, StreamEncoder
 from realtime.metrics import Metrics
 from realtime.outbox import Outbox, Outgoing
-from realtime.protocol import FLAG_DISCONTINUITY, FLAG_FIRST, FLAG_LAST, event, pack_header
+from realtime.errors import engine_error
+from realtime.protocol import (FLAG_DISCONTINUITY, FLAG_FIRST, FLAG_LAST, ProtocolError, error_event, event,
+                               pack_header)
 from realtime.word_timing import WordTimeline
 
+log = logging.getLogger("voxgate")
 MODEL_SAMPLE_RATE = 24000
 
 
@@ -115,6 +119,9 @@ class ContextStream:
                 else:
                     await self._finish(item)
                     break
+        except Exception as failure:  # a bug here must still end the context: an error, then context.done
+            log.exception("context failed")
+            self._end_failed(failure)
         finally:
             collector.cancel()
         self.on_finished(self)
@@ -186,10 +193,22 @@ class ContextStream:
         if frames or self._sent_first:
             self._queue_frames(frames, last=True)
         if end.reason == "error":
-            code = "empty_text" if end.error == "text is empty" else "synthesis_failed"
-            self.metrics.errors.labels(code=code).inc()
-            self._queue(event("error", code=code, message=end.error or "synthesis failed",
-                              context_id=self.context_id, fatal=False))
+            self._queue_error(engine_error(end.error, self.context_id))
+        self._queue_done()
+
+    def _end_failed(self, failure: Exception) -> None:
+        if self.cancelled:
+            return
+        if self._sent_first:
+            self._queue_frames([], last=True)
+        self._queue_error(engine_error(failure, self.context_id))
+        self._queue_done()
+
+    def _queue_error(self, failure: ProtocolError) -> None:
+        self.metrics.errors.labels(code=failure.code).inc()
+        self._queue(error_event(failure))
+
+    def _queue_done(self) -> None:
         audio_ms = self._samples_out / self.format.sample_rate * 1000
         self._queue(event("context.done", context_id=self.context_id, audio_ms=round(audio_ms, 3),
                           metrics=self._final_metrics(audio_ms)))

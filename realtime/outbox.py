@@ -46,6 +46,16 @@ class Outbox:
         self._settle()
         return dropped
 
+    def take(self, item: Outgoing) -> bool:
+        """Remove this very item if it is still queued (to queue it again elsewhere)."""
+        for index, queued in enumerate(self._items):
+            if queued is item:
+                del self._items[index]
+                self.queued_ms -= item.audio_ms
+                self._settle()
+                return True
+        return False
+
     async def get(self) -> Outgoing:
         while not self._items:
             self._ready.clear()

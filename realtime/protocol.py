@@ -1,13 +1,16 @@
-"""The voxgate.v1 wire protocol (../shared/PROTOCOL.md): client message validation, session configuration, server
+"""The voxgate.v1 wire protocol (docs/PROTOCOL.md): client message validation, session configuration, server
 events and the binary audio header. Nothing here touches the socket or the engine, so every rule is testable alone.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field, replace
-from typing import Any
+from functools import partial
+from itertools import accumulate
+from typing import Any, Protocol
 
 from realtime.audio import AudioFormat, DEFAULT_RATES, UnsupportedFormat
 
@@ -38,10 +41,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 class ProtocolError(Exception):
     """A refused message: becomes an `error` event (and a close, when fatal)."""
 
-    def __init__(self, code: str, message: str, *, fatal: bool = False, context_id: str | None = None) -> None:
-        assert code in ERROR_CODES | CHAT_ERROR_CODES, code
+    def __init__(self, code: str, message: str, *, fatal: bool = False, context_id: str | None = None,
+                 event_id: Any = None) -> None:
+        if code not in ERROR_CODES | CHAT_ERROR_CODES:
+            raise ValueError(f"not a protocol error code: {code!r}")
         super().__init__(message)
         self.code, self.message, self.fatal, self.context_id = code, message, fatal, context_id
+        self.event_id = event_id  # the client message's, echoed on the error
 
 
 @dataclass(frozen=True)
@@ -70,14 +76,6 @@ def pack_header(flags: int, stream_id: int, pts: int) -> bytes:
     return _HEADER.pack(MAGIC, flags, stream_id & 0xFFFF, pts & 0xFFFFFFFF)
 
 
-def unpack_header(frame: bytes) -> tuple[int, int, int, bytes]:
-    """(flags, stream_id, pts, payload) of a binary audio frame."""
-    magic, flags, stream_id, pts = _HEADER.unpack_from(frame)
-    if magic != MAGIC:
-        raise ValueError(f"not a voxgate.v1 audio frame (magic {magic:#x})")
-    return flags, stream_id, pts, frame[_HEADER.size:]
-
-
 def event(type_: str, **fields: Any) -> dict[str, Any]:
     return {"type": type_, **{k: v for k, v in fields.items() if v is not None}}
 
@@ -91,11 +89,11 @@ def error_event(failure: ProtocolError, event_id: Any = None) -> dict[str, Any]:
 
 _STR, _BOOL, _OBJ = (str,), (bool,), (dict,)
 _NUMBER = (int, float)
-# type -> {field: (accepted python types, required)}
+_ANY = (object,)
+# type -> {field: (accepted python types, required)}; session.start's fields are checked one by one by `configure`
 MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "session.start": {"voice": (_STR, False), "language": (_STR, False), "instructions": (_STR, False),
-                      "audio": (_OBJ, False), "transport": (_OBJ, False), "preset": (_STR, False),
-                      "text": (_OBJ, False), "sampling": (_OBJ, False), "timestamps": (_STR, False)},
+    "session.start": {name: (_ANY, False) for name in ("voice", "language", "instructions", "audio", "transport",
+                                                       "preset", "text", "sampling", "timestamps")},
     "text.append": {"context_id": (_STR, True), "text": (_STR, True), "flush": (_BOOL, False),
                     "voice": (_STR, False), "instructions": (_STR, False), "language": (_STR, False)},
     "context.flush": {"context_id": (_STR, True)},
@@ -106,25 +104,130 @@ MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "ping": {"id": ((str, int, float), False)},
     "session.close": {"mode": (_STR, False)},
 }
-MAX_CONTEXT_ID_CHARS = 128
+MAX_NAME_CHARS = 128  # ids and names: context_id, voice, language, mark name, event_id, ...
+MAX_INSTRUCTIONS_CHARS = 2000  # a voice description or style instruction
+MAX_PLAYED_MS = 10**9
+MAX_SEED = 2**63 - 1  # the engine offsets it per utterance, modulo 2**63
+MAX_JSON_DEPTH = 32  # nesting of arrays and objects in one message
+MAX_INTEGER_DIGITS = 20  # 2**64 has 20 digits; any longer integer is out of every range
+# field -> most characters (strings) or (lowest, highest) (numbers), in every message type that has the field
+FIELD_LIMITS: dict[str, int | tuple[float, float]] = {
+    "context_id": MAX_NAME_CHARS, "voice": MAX_NAME_CHARS, "language": MAX_NAME_CHARS, "name": MAX_NAME_CHARS,
+    "preset": MAX_NAME_CHARS, "timestamps": MAX_NAME_CHARS, "mode": MAX_NAME_CHARS, "id": MAX_NAME_CHARS,
+    "session_id": MAX_NAME_CHARS, "instructions": MAX_INSTRUCTIONS_CHARS, "played_ms": (0, MAX_PLAYED_MS)}
+
+
+def load_json(raw: str | bytes, code: str = "invalid_message") -> Any:
+    """Parse a client's JSON with bounded cost: nesting is measured before parsing, and integers longer than any
+    field takes are refused while parsing (Python's int() is quadratic in the digits). Every string must be valid
+    Unicode: JSON can carry a lone UTF-16 surrogate (\\ud800), which no encoder, tokenizer or log can take.
+    Raises ProtocolError: `invalid_json`, or `code` for a value out of bounds."""
+    value = _decode_json(raw, code)
+    _check_unicode(value, code)
+    return value
+
+
+def _decode_json(raw: str | bytes, code: str) -> Any:
+    """JSON to Python, within the bounds of depth and integer size (strings not yet checked)."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("invalid_json", "the body is not UTF-8 text") from None
+    depth = _nesting_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise ProtocolError(code, f"JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
+    try:
+        return json.loads(raw, parse_int=partial(_bounded_int, code), parse_constant=_no_constant)
+    except json.JSONDecodeError as failure:
+        raise ProtocolError("invalid_json", f"the message is not valid JSON: {failure}") from None
+    except RecursionError:
+        raise ProtocolError(code, f"JSON nested too deep; at most {MAX_JSON_DEPTH} levels are accepted") from None
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def _nesting_depth(text: str) -> int:
+    """The deepest nesting of arrays and objects (brackets inside strings do not count)."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(accumulate(1 if bracket in "[{" else -1 for bracket in brackets), default=0)
+
+
+def _bounded_int(code: str, digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INTEGER_DIGITS:
+        raise ProtocolError(code, f"an integer of {len(digits)} digits is out of range for every field")
+    return int(digits)
+
+
+def _no_constant(name: str) -> float:
+    raise ProtocolError("invalid_json", f"{name} is not a JSON number")
+
+
+def _check_unicode(value: Any, code: str, path: str = "message") -> None:
+    if isinstance(value, str):
+        _check_text(value, path, code)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, f"{path} key", code)
+            _check_unicode(item, code, key[:MAX_NAME_CHARS] if path == "message" else f"{path}.{key[:40]}")
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item, code, f"{path}[]")
+
+
+def _check_text(text: str, path: str, code: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as failure:
+        raise ProtocolError(code, f"{path} is not valid Unicode text: it holds a lone surrogate "
+                                  f"(U+{ord(text[failure.start]):04X})") from None
 
 
 def parse_message(text: str, schemas: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = MESSAGES
                   ) -> dict[str, Any]:
     """A client text frame as a validated message dict (`schemas`: voxgate.v1's messages unless another socket's);
-    raises ProtocolError (never fatal)."""
-    try:
-        message = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as failure:
-        raise ProtocolError("invalid_json", f"the message is not valid JSON: {failure}") from None
+    raises ProtocolError (never fatal) carrying the message's `event_id` when it had a valid one."""
+    message = _decode_json(text, "invalid_message")
     if not isinstance(message, dict):
+        _check_unicode(message, "invalid_message")
         raise ProtocolError("invalid_message", "a message must be a JSON object with a \"type\" field")
+    event_id = _event_id(message)
+    try:
+        _check_unicode(message, "invalid_config" if message.get("type") == "session.start" else "invalid_message")
+        _check_fields(message, schemas)
+    except ProtocolError as failure:
+        failure.event_id = event_id
+        raise
+    return message
+
+
+def _event_id(message: dict[str, Any]) -> Any:
+    """The message's event_id when it is one (a short string or a finite number); a bad one is refused."""
+    event_id = message.get("event_id")
+    if event_id is None:
+        return None
+    if isinstance(event_id, str):
+        _check_text(event_id, "event_id", "invalid_message")
+    if isinstance(event_id, bool) or not isinstance(event_id, (str, int, float)) or _not_finite(event_id) or (
+            isinstance(event_id, str) and len(event_id) > MAX_NAME_CHARS) or (
+            isinstance(event_id, int) and abs(event_id) >= 2**63):
+        raise ProtocolError("invalid_message", f"event_id must be a string of at most {MAX_NAME_CHARS} characters "
+                                               "or a number")
+    return event_id
+
+
+def _check_fields(message: dict[str, Any], schemas: dict[str, dict[str, tuple[tuple[type, ...], bool]]]) -> None:
     kind = message.get("type")
     if not isinstance(kind, str):
         raise ProtocolError("invalid_message", "the message has no \"type\" string")
     if kind not in schemas:
-        raise ProtocolError("unknown_type", f"unknown message type {kind!r}; expected one of: {', '.join(schemas)}")
+        raise ProtocolError("unknown_type", f"unknown message type {kind[:MAX_NAME_CHARS]!r}; expected one of: "
+                                            f"{', '.join(schemas)}")
     context_id = message.get("context_id") if isinstance(message.get("context_id"), str) else None
+    if context_id is not None and not 0 < len(context_id) <= MAX_NAME_CHARS:
+        raise ProtocolError("invalid_message", f"context_id must be 1 to {MAX_NAME_CHARS} characters")
     for name, (types, required) in schemas[kind].items():
         value = message.get(name)
         if value is None:
@@ -132,17 +235,28 @@ def parse_message(text: str, schemas: dict[str, dict[str, tuple[tuple[type, ...]
                 raise ProtocolError("invalid_message", f"{kind}: missing field {name!r}", context_id=context_id)
             continue
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types) or _not_finite(value):
-            expected = " or ".join(_TYPE_NAMES[t] for t in types)
+            expected = " or ".join(dict.fromkeys(_TYPE_NAMES[t] for t in types))
             raise ProtocolError("invalid_message", f"{kind}: field {name!r} must be {expected}", context_id=context_id)
-    if context_id is not None and not 0 < len(context_id) <= MAX_CONTEXT_ID_CHARS:
-        raise ProtocolError("invalid_message", f"context_id must be 1 to {MAX_CONTEXT_ID_CHARS} characters")
+        if types is not _ANY:
+            _check_limit(kind, name, value, context_id)
     if kind == "session.close" and message.get("mode", "graceful") not in ("graceful", "abort"):
         raise ProtocolError("invalid_message", "session.close: mode must be \"graceful\" or \"abort\"")
-    return message
+
+
+def _check_limit(kind: str, name: str, value: Any, context_id: str | None) -> None:
+    limit = FIELD_LIMITS.get(name)
+    if limit is None or isinstance(value, bool):
+        return
+    if isinstance(value, str) and isinstance(limit, int) and len(value) > limit:
+        code = "text_too_long" if name == "instructions" else "invalid_message"
+        raise ProtocolError(code, f"{kind}: {name} takes at most {limit} characters", context_id=context_id)
+    if isinstance(value, (int, float)) and isinstance(limit, tuple) and not limit[0] <= value <= limit[1]:
+        raise ProtocolError("invalid_message", f"{kind}: {name} must be from {limit[0]} to {limit[1]}",
+                            context_id=context_id)
 
 
 _TYPE_NAMES = {str: "a string", bool: "a boolean", dict: "an object", int: "a number", float: "a number",
-               list: "an array"}
+               list: "an array", object: "any value"}
 
 
 def _not_finite(value: Any) -> bool:
@@ -151,22 +265,31 @@ def _not_finite(value: Any) -> bool:
 
 # --- session configuration ---------------------------------------------------------------------------------------
 
-def configure(config: SessionConfig, fields: dict[str, Any]) -> tuple[SessionConfig, list[ProtocolError]]:
+class SessionChecks(Protocol):
+    """What the served model accepts; the gateway's voice catalog answers (raises ProtocolError when not)."""
+
+    def check_voice(self, voice: str) -> None: ...
+
+    def check_language(self, language: str) -> None: ...
+
+
+def configure(config: SessionConfig, fields: dict[str, Any], checks: SessionChecks | None = None
+              ) -> tuple[SessionConfig, list[ProtocolError]]:
     """`config` updated field by field from session.start fields or query parameters (the preset first, explicit
     fields over it); a bad field is refused with its error (`invalid_config` / `unsupported_format`) and keeps its
-    previous value, the others apply."""
+    previous value, the others apply. `checks` refuses a voice or language the model does not have."""
     errors = []
     preset = fields.get("preset")
     if preset is not None:
-        if preset in PRESETS:
-            config = _apply(config, PRESETS[preset])
+        if isinstance(preset, str) and preset in PRESETS:
+            config = _apply(config, PRESETS[preset], checks)
         else:
-            errors.append(ProtocolError("invalid_config",
-                                        f"unknown preset {preset!r}; expected one of: {', '.join(PRESETS)}"))
+            errors.append(ProtocolError("invalid_config", f"unknown preset {_shown(preset)}; expected one of: "
+                                                          f"{', '.join(PRESETS)}"))
     for name, value in fields.items():
         if name != "preset" and name in SESSION_FIELDS:
             try:
-                config = _apply(config, {name: value})
+                config = _apply(config, {name: value}, checks)
             except ProtocolError as failure:
                 errors.append(failure)
     return config, errors
@@ -176,18 +299,20 @@ SESSION_FIELDS = ("voice", "language", "instructions", "audio", "transport", "te
 TIMESTAMPS = ("none", "word")
 
 
-def _apply(config: SessionConfig, fields: dict[str, Any]) -> SessionConfig:
+def _shown(value: Any) -> str:
+    """A client's value in an error message, cut short."""
+    return repr(value)[:60]
+
+
+def _apply(config: SessionConfig, fields: dict[str, Any], checks: SessionChecks | None) -> SessionConfig:
     for name in ("voice", "language", "instructions"):
         if fields.get(name) is not None:
-            value = fields[name]
-            if not isinstance(value, str) or (name != "instructions" and not value.strip()):
-                raise ProtocolError("invalid_config", f"{name} must be a non-empty string")
-            config = replace(config, **{name: value})
+            config = replace(config, **{name: _session_string(name, fields[name], checks)})
     if fields.get("audio") is not None:
         config = replace(config, audio=_audio(config.audio, _object(fields["audio"], "audio")))
     if fields.get("transport") is not None:
         transport = _object(fields["transport"], "transport").get("audio", config.transport)
-        if transport not in TRANSPORTS:
+        if not isinstance(transport, str) or transport not in TRANSPORTS:
             raise ProtocolError("invalid_config", f"transport.audio must be one of: {', '.join(TRANSPORTS)}")
         config = replace(config, transport=transport)
     if fields.get("text") is not None:
@@ -195,10 +320,25 @@ def _apply(config: SessionConfig, fields: dict[str, Any]) -> SessionConfig:
     if fields.get("sampling") is not None:
         config = replace(config, sampling=_sampling(config.sampling, _object(fields["sampling"], "sampling")))
     if fields.get("timestamps") is not None:
-        if fields["timestamps"] not in TIMESTAMPS:
+        if not isinstance(fields["timestamps"], str) or fields["timestamps"] not in TIMESTAMPS:
             raise ProtocolError("invalid_config", f"timestamps must be one of: {', '.join(TIMESTAMPS)}")
         config = replace(config, timestamps=fields["timestamps"])
     return config
+
+
+def _session_string(name: str, value: Any, checks: SessionChecks | None) -> str:
+    """voice / language / instructions of a session: a string within its limit that the model accepts."""
+    if not isinstance(value, str) or (name != "instructions" and not value.strip()):
+        raise ProtocolError("invalid_config", f"{name} must be a non-empty string")
+    limit = MAX_INSTRUCTIONS_CHARS if name == "instructions" else MAX_NAME_CHARS
+    if len(value) > limit:
+        raise ProtocolError("text_too_long" if name == "instructions" else "invalid_config",
+                            f"{name} takes at most {limit} characters")
+    if checks is not None and name == "voice":
+        checks.check_voice(value)
+    elif checks is not None and name == "language":
+        checks.check_language(value)
+    return value
 
 
 def _object(value: Any, name: str) -> dict[str, Any]:
@@ -209,6 +349,8 @@ def _object(value: Any, name: str) -> dict[str, Any]:
 
 def _audio(current: AudioFormat, fields: dict[str, Any]) -> AudioFormat:
     encoding = fields.get("encoding", current.encoding)
+    if not isinstance(encoding, str) or len(encoding) > MAX_NAME_CHARS:
+        raise ProtocolError("invalid_config", "audio.encoding must be a string naming an encoding")
     rate = fields.get("sample_rate")
     if rate is None:  # a new encoding without a rate takes that encoding's default rate
         rate = current.sample_rate if encoding == current.encoding else DEFAULT_RATES.get(encoding, 0)
@@ -229,7 +371,7 @@ def _audio(current: AudioFormat, fields: dict[str, Any]) -> AudioFormat:
 
 def _text(config: SessionConfig, fields: dict[str, Any]) -> SessionConfig:
     buffering = fields.get("buffering", config.buffering)
-    if buffering not in BUFFERING:
+    if not isinstance(buffering, str) or buffering not in BUFFERING:
         raise ProtocolError("invalid_config", f"text.buffering must be one of: {', '.join(BUFFERING)}")
     delay = fields.get("max_buffer_delay_ms", config.max_buffer_delay_ms)
     if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= 10000:
@@ -238,7 +380,7 @@ def _text(config: SessionConfig, fields: dict[str, Any]) -> SessionConfig:
 
 
 _SAMPLING_RANGES = {"temperature": (float, 0.0, 5.0), "top_k": (int, 0, 10000), "top_p": (float, 0.0, 1.0),
-                    "repetition_penalty": (float, 0.5, 5.0), "seed": (int, -(2**63), 2**63 - 1)}
+                    "repetition_penalty": (float, 0.5, 5.0), "seed": (int, 0, MAX_SEED)}
 
 
 def _sampling(current: Sampling, fields: dict[str, Any]) -> Sampling:
@@ -269,6 +411,8 @@ def query_fields(params: dict[str, str]) -> tuple[dict[str, Any], list[ProtocolE
         audio["encoding"] = params["encoding"]
     if "sample_rate" in params:
         try:
+            if len(params["sample_rate"]) > MAX_INTEGER_DIGITS:
+                raise ValueError("too long")
             audio["sample_rate"] = int(params["sample_rate"])
         except ValueError:
             errors.append(ProtocolError("invalid_config", f"sample_rate must be an integer, not "

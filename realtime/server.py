@@ -1,22 +1,157 @@
 """Running the app under uvicorn: WebSocket compression off, the message size limit, pings for dead peers, and a
-shutdown that lets sessions finish or cancel their contexts before uvicorn closes the sockets."""
+shutdown that lets sessions finish or cancel their contexts before uvicorn closes the sockets. The transport guards
+what uvicorn leaves open: a deadline for each request's headers (silent and slow-loris connections), a cap on open
+connections, and logs that never hold an API key."""
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
+import socket
+import warnings
+from typing import Any
+from urllib.parse import unquote_plus
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from realtime.app import create_app, drain_sessions
-from realtime.gateway import Gateway, GatewayOptions
+from engine.errors import VoxgateError
+from realtime.app import WEB_DIR, create_app, drain_sessions
+from realtime.gateway import Gateway, GatewayOptions, Limits, check_options
+
+# uvicorn's legacy websockets protocol, on purpose: its sans-I/O one (uvicorn 0.54) closes the TCP connection right
+# after the 1009 close frame of an oversized message while the client is still sending, so the client gets a reset
+# instead of the close code (tests/test_hostile_client.py). Imported here with its deprecation notices silenced.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="The `websockets` implementation is deprecated")
+    warnings.filterwarnings("ignore", message="websockets.legacy is deprecated")
+    from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
 
 PING_INTERVAL_S = 20.0
 PING_TIMEOUT_S = 20.0
+LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "voxgate")
+_OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                  b"content-length: 26\r\nconnection: close\r\n\r\ntoo many open connections\n")
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;#\s\"']*)=([^&;#\s\"']*)")
+
+
+def connection_cap(limits: Limits) -> int:
+    """Room for every session plus its HTTP traffic, so that the cap only bites on connections nobody uses."""
+    return limits.max_connections if limits.max_connections is not None else 2 * limits.max_sessions + 64
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with two guards it lacks. A request's headers (a WebSocket handshake's included) must
+    be complete within `handshake_timeout_s` of the connection, or of the first byte of a later request on a kept-
+    alive one; otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up. Past
+    `max_connections` open connections (HTTP and WebSocket) a new one gets a 503 and is closed at once."""
+
+    def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None, *, handshake_timeout_s: float,
+                 max_connections: int) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_connections = max_connections
+        self._headers_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.write(_OVER_CAPACITY)
+            transport.close()
+            return
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():  # refused or timed out: nothing more is read
+            return
+        if self.conn.their_state is h11.IDLE:
+            self._arm()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm()
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        self._disarm()  # the WebSocket protocol takes the socket over: this one hears nothing more
+        super().handle_websocket_upgrade(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._headers_deadline is None:
+            self._headers_deadline = self.loop.call_later(self.handshake_timeout_s, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._headers_deadline is not None:
+            self._headers_deadline.cancel()
+            self._headers_deadline = None
+
+    def _headers_late(self) -> None:
+        self._headers_deadline = None
+        self.transport.close()
+
+
+def redact(text: str) -> str:
+    """`text` with the value of every query parameter named like a secret (`token`, `key`, `api_key`, `access_token`,
+    percent-encoded or not) replaced: uvicorn logs each request's path with its query string."""
+    return _QUERY_PARAM.sub(_redact_parameter, text)
+
+
+def _redact_parameter(match: re.Match[str]) -> str:
+    if unquote_plus(match[2]).lower().endswith(("token", "key")):
+        return f"{match[1]}{match[2]}=[redacted]"
+    return match[0]
+
+
+class RedactSecrets(logging.Filter):
+    """Rewrites a record's message and string arguments in place (uvicorn's access formatter reads the arguments one
+    by one, so they stay a tuple of the same length)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(arg) if isinstance(arg, str) else arg for arg in record.args)
+        return True
+
+
+_REDACT_SECRETS = RedactSecrets()
+
+
+def redact_logs() -> None:
+    """A logger's filters see only the records logged on it, not its children's: each logger that logs gets one."""
+    for name in LOGGERS:
+        logging.getLogger(name).addFilter(_REDACT_SECRETS)
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Fails at once, before the model loads, when the address cannot be listened on (a port in use, a bad host)."""
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server does
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
+    except OSError as failure:
+        raise VoxgateError(f"cannot listen on {host}:{port}: {failure.strerror or failure}") from None
 
 
 class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self.exit_code = 0
+
+    def fail(self, reason: str) -> None:
+        """The gateway's fatal error (the model did not load, the engine died for good; it logged why): drain,
+        exit, and report it in the exit status."""
+        self.exit_code = 1
+        self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
         await drain_sessions(self.gateway)
@@ -26,15 +161,30 @@ class _Server(uvicorn.Server):
 def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8000,
                  log_level: str = "info") -> _Server:
     gateway = Gateway(options)
-    config = uvicorn.Config(create_app(gateway), host=host, port=port, log_level=log_level, ws="websockets",
-                            ws_max_size=options.limits.max_message_bytes, ws_per_message_deflate=False,
+    limits = options.limits
+
+    def protocol(*args: Any, **kwargs: Any) -> GuardedH11Protocol:
+        return GuardedH11Protocol(*args, **kwargs, handshake_timeout_s=limits.handshake_timeout_s,
+                                  max_connections=connection_cap(limits))
+
+    config = uvicorn.Config(create_app(gateway), host=host, port=port, log_level=log_level, http=protocol,
+                            ws=WebSocketProtocol, ws_max_size=limits.max_message_bytes, ws_per_message_deflate=False,
                             ws_ping_interval=PING_INTERVAL_S, ws_ping_timeout=PING_TIMEOUT_S,
                             timeout_graceful_shutdown=10)
-    return _Server(config, gateway)
+    redact_logs()  # after uvicorn.Config, which configures uvicorn's loggers
+    server = _Server(config, gateway)
+    gateway.on_fatal = server.fail
+    return server
 
 
-def serve(options: GatewayOptions, host: str, port: int) -> None:
+def serve(options: GatewayOptions, host: str, port: int) -> int:
+    """Runs until stopped; the exit status is non-zero when the gateway failed for good."""
+    check_bindable(host, port)
+    check_options(options)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = f"answers from {options.llm.model}" if options.llm else "no --llm-url: it speaks what you type"
-    logging.getLogger("voxgate").info("voice-chat demo: http://%s:%d/ (%s)", host, port, llm)
-    build_server(options, host, port).run()
+    if WEB_DIR is not None:
+        llm = f"answers from {options.llm.model}" if options.llm else "no --llm-url: it speaks what you type"
+        logging.getLogger("voxgate").info("voice-chat demo: http://%s:%d/ (%s)", host, port, llm)
+    server = build_server(options, host, port)
+    server.run()
+    return server.exit_code

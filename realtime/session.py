@@ -23,6 +23,7 @@ from realtime.voices import VoiceError
 log = logging.getLogger("voxgate")
 SHUTDOWN_GRACE_S = 5.0
 ABORT_GRACE_S = 2.0
+CLOSE_GRACE_S = 2.0  # a peer that does not answer the close handshake is dropped after this
 MAX_CLOSED_IDS = 10000
 
 
@@ -55,7 +56,8 @@ class Session:
         self.closing = False
         self.closed = False  # the socket is gone
         self._stream_ids = 0
-        self._slow_warned = False
+        self._slow_warning: Outgoing | None = None  # sent once per session
+        self._aborted = False
         self._limiter = RateLimiter(self.limits.max_message_rate)
         self._last_activity = time.monotonic()
         self._close: tuple[int, str] | None = None
@@ -65,6 +67,8 @@ class Session:
     # --- life cycle ----------------------------------------------------------------------------------------------
 
     async def run(self, config_errors: list[ProtocolError]) -> None:
+        """Serve the socket until either side ends it; the session counts as open exactly that long."""
+        self.gateway.sessions.add(self)
         self._send_started()
         for failure in config_errors:
             self._error(failure)
@@ -80,13 +84,14 @@ class Session:
             self.contexts.clear()
             for task in (sender, watchdog, reader):
                 task.cancel()
+            self.closed = True
+            self.gateway.sessions.discard(self)
             if self._close is not None:
                 code, reason = self._close
                 try:
-                    await self.ws.close(code, reason)
-                except (RuntimeError, WebSocketDisconnect, OSError):
+                    await asyncio.wait_for(self.ws.close(code, reason), CLOSE_GRACE_S)
+                except (RuntimeError, WebSocketDisconnect, OSError, asyncio.TimeoutError):
                     pass
-            self.closed = True
             self._ended.set()
 
     async def _reader(self) -> None:
@@ -125,11 +130,17 @@ class Session:
             self.outbox.put(Outgoing("", _CLOSE))
 
     def abort(self, failure: ProtocolError, code: int) -> None:
-        """A fatal error: sent ahead of queued audio, then the socket closes."""
+        """A fatal error: sent ahead of queued audio (after a warning still queued, which explains it), then the
+        socket closes. Only the first fatal error counts."""
+        if self._aborted:
+            return
+        self._aborted = True
         self.gateway.metrics.errors.labels(code=failure.code).inc()
         self._close = (code, failure.message[:120])
         self.outbox.put(Outgoing("", _CLOSE), urgent=True)
         self.outbox.put(Outgoing(json.dumps(error_event(failure)), None), urgent=True)
+        if self._slow_warning is not None and self.outbox.take(self._slow_warning):
+            self.outbox.put(self._slow_warning, urgent=True)
         # a peer that reads nothing would keep the error queued forever: close without it after a moment
         asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._sender_task.cancel)
 
@@ -180,17 +191,17 @@ class Session:
     def _handle_text(self, text: str, rate_limited: bool = True) -> bool:
         event_id = None
         try:
+            message = parse_message(text)
+            event_id = message.get("event_id")
             if rate_limited and not self._limiter.allow():
                 raise ProtocolError("rate_limited", f"more than {self.limits.max_message_rate:g} messages per "
                                                     "second; this message was dropped")
-            message = parse_message(text)
-            event_id = message.get("event_id")
             if self.closing:
                 raise ProtocolError("invalid_message", "the session is closing; no new messages are accepted")
             getattr(self, "_on_" + message["type"].replace(".", "_"))(message)
             return True
         except ProtocolError as failure:
-            self._error(failure, event_id=event_id)
+            self._error(failure, event_id=event_id if event_id is not None else failure.event_id)
         except Exception:  # a bug must not take the session down, let alone the server
             log.exception("session %s: internal error", self.id)
             self._error(ProtocolError("internal", "internal server error"), event_id=event_id)
@@ -200,7 +211,7 @@ class Session:
         if self.text_started:
             raise ProtocolError("invalid_message", "session.start must come before the first text.append; "
                                                    "nothing was changed")
-        self.config, errors = configure(self.config, message)
+        self.config, errors = configure(self.config, message, self.gateway.voices)
         for failure in errors:
             self._error(failure, event_id=message.get("event_id"))
         self._send_started(event_id=message.get("event_id"))
@@ -333,13 +344,15 @@ class Session:
             del self.finished[next(iter(self.finished))]
 
     def _slow(self, past_hard_limit: bool) -> None:
+        """The client reads too slowly: a warning once, and past the hard limit a fatal error after it."""
+        if self._slow_warning is None:
+            self._slow_warning = Outgoing(json.dumps(event(
+                "warning", code="slow_consumer", message="the client reads audio slower than it is made; synthesis "
+                "pauses until it catches up")))
+            self.outbox.put(self._slow_warning, urgent=True)
         if past_hard_limit:
             self.abort(ProtocolError("slow_consumer", "the client does not read its audio; closing", fatal=True),
                        CLOSE_POLICY)
-        elif not self._slow_warned:
-            self._slow_warned = True
-            self._queue(event("warning", code="slow_consumer", message="the client reads audio slower than it is "
-                              "made; synthesis pauses until it catches up"), urgent=True)
 
     # --- output --------------------------------------------------------------------------------------------------
 

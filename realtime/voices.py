@@ -2,6 +2,8 @@
 the Base model's clone voices given at start-up. Resolves a client's voice id into the engine's `Voice`."""
 from __future__ import annotations
 
+import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,8 +11,11 @@ from typing import Any
 from engine.errors import RequestError
 from engine.prompt import Voice
 from engine.tts import TTSModel, VoiceRequest
+from realtime.protocol import ProtocolError
 
 DESIGN_VOICE = "design"
+VOICE_CACHE_BYTES = 4 * 1024 * 1024  # voices with instructions (free text) kept for reuse, least recently used out
+VOICE_ENTRY_BYTES = 512  # what a cached voice costs beside its text
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,8 @@ class VoiceCatalog:
     def __init__(self, tts: TTSModel, clones: list[CloneVoice] = ()) -> None:
         self.tts = tts
         self.variant = tts.model_type
-        self._voices: dict[tuple[str, str | None], Voice] = {}
+        self._clones: dict[str, Voice] = {}
+        self._described = _VoiceCache(VOICE_CACHE_BYTES)  # (speaker, instructions) -> voice
         if self.variant == "custom_voice":
             self.ids = list(tts.config.speakers)
         elif self.variant == "voice_design":
@@ -49,7 +55,7 @@ class VoiceCatalog:
         else:
             self.ids = []
             for clone in clones:  # encoded once, at start-up: a bad reference audio stops the server there
-                self._voices[(clone.name, None)] = tts.voice(VoiceRequest(
+                self._clones[clone.name] = tts.voice(VoiceRequest(
                     ref_audio=clone.audio, ref_text=clone.transcript, x_vector_only=clone.transcript is None))
                 self.ids.append(clone.name)
         if not self.ids:
@@ -68,26 +74,76 @@ class VoiceCatalog:
                   for voice in self.ids]
         return {"voices": voices, "default": self.default}
 
+    def check_voice(self, voice_id: str) -> None:
+        """A session's default voice must exist (PROTOCOL.md: a bad session.start field is `invalid_config`)."""
+        if self._key(voice_id) not in self.ids:
+            raise ProtocolError("invalid_config", self._unknown(voice_id))
+
+    def check_language(self, language: str) -> None:
+        try:
+            self.tts.resolve_language(language)
+        except RequestError as failure:
+            raise ProtocolError("invalid_config", str(failure)) from None
+
+    def _key(self, voice_id: str) -> str:
+        return voice_id.lower() if self.variant == "custom_voice" else voice_id
+
+    def _unknown(self, voice_id: str) -> str:
+        listed = f"{', '.join(self.ids[:12])}{', ...' if len(self.ids) > 12 else ''}"
+        return f"unknown voice {voice_id[:64]!r}; GET /v1/voices lists them ({listed})"
+
     def resolve(self, voice_id: str | None, instructions: str | None) -> Voice:
         """The engine voice for `voice_id` (None: the default) with optional instructions; raises VoiceError."""
         voice_id = voice_id or self.default
-        key = voice_id.lower() if self.variant == "custom_voice" else voice_id
+        key = self._key(voice_id)
         if key not in self.ids:
-            raise VoiceError("unknown_voice", f"unknown voice {voice_id!r}; GET /v1/voices lists them "
-                                              f"({', '.join(self.ids[:12])}{', ...' if len(self.ids) > 12 else ''})")
+            raise VoiceError("unknown_voice", self._unknown(voice_id))
         instructions = (instructions or "").strip() or None
         if self.variant == "voice_design" and instructions is None:
             raise VoiceError("invalid_config", "the VoiceDesign model needs `instructions` describing the voice")
-        cached = self._voices.get((key, None if self.variant == "base" else instructions))
+        if self.variant == "base":
+            if instructions is not None:
+                raise VoiceError("invalid_config", "a cloned voice does not take instructions")
+            return self._clones[key]
+        cached = self._described.get((key, instructions))
         if cached is not None:
             return cached
-        if self.variant == "base":
-            raise VoiceError("invalid_config", "a cloned voice does not take instructions")
         try:
             voice = self.tts.voice(VoiceRequest(speaker=key if self.variant == "custom_voice" else None,
                                                 instruct=instructions))
         except RequestError as failure:
             raise VoiceError("invalid_config", str(failure)) from None
-        if len(self._voices) < 1024:  # instructions are free text: bound the cache
-            self._voices[(key, instructions)] = voice
+        self._described.put((key, instructions), voice)
         return voice
+
+
+class _VoiceCache:
+    """Least recently used voices, bounded in bytes: instructions are free text, so entries are not all alike."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._voices: OrderedDict[tuple[str, str | None], Voice] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._voices)
+
+    def get(self, key: tuple[str, str | None]) -> Voice | None:
+        voice = self._voices.get(key)
+        if voice is not None:
+            self._voices.move_to_end(key)
+        return voice
+
+    def put(self, key: tuple[str, str | None], voice: Voice) -> None:
+        if key in self._voices:
+            return
+        self._voices[key] = voice
+        self.bytes += _cost(key)
+        while self.bytes > self.max_bytes:
+            evicted, _ = self._voices.popitem(last=False)
+            self.bytes -= _cost(evicted)
+
+
+def _cost(key: tuple[str, str | None]) -> int:
+    speaker, instructions = key
+    return VOICE_ENTRY_BYTES + sys.getsizeof(speaker) + sys.getsizeof(instructions or "")

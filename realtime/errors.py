@@ -1,0 +1,53 @@
+"""The one table from the engine's error types to protocol codes and HTTP statuses: the socket and the speech
+endpoint report a failure the same way, by its type (never by its message)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import (EmptyText, EngineFailed, EngineFull, RequestError, SynthesisFailed, TextTooLong,
+                           VoxgateError)
+from realtime.protocol import ProtocolError
+
+# most specific first: the first type the error is an instance of gives its code and status
+ENGINE_ERRORS: tuple[tuple[type[VoxgateError], str, int], ...] = (
+    (EmptyText, "empty_text", 400),
+    (TextTooLong, "text_too_long", 400),
+    (RequestError, "invalid_message", 400),
+    (EngineFull, "overloaded", 503),
+    (EngineFailed, "synthesis_failed", 503),  # the engine restarts: retry later
+    (SynthesisFailed, "synthesis_failed", 500),
+)
+PROTOCOL_STATUS = {"unauthorized": 401, "overloaded": 503, "synthesis_failed": 500, "internal": 500}
+
+
+@dataclass
+class HTTPFailure(Exception):
+    """A refused or failed speech request: its JSON body and status."""
+    status: int
+    code: str
+    message: str
+
+    def body(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+    @classmethod
+    def of(cls, failure: ProtocolError, status: int | None = None) -> "HTTPFailure":
+        """A protocol error on HTTP: 400 unless its code says otherwise."""
+        return cls(status or PROTOCOL_STATUS.get(failure.code, 400), failure.code, failure.message)
+
+
+def engine_error(error: BaseException | None, context_id: str | None = None) -> ProtocolError:
+    """The protocol error for what the engine reported (anything unexpected is a failed synthesis)."""
+    code, _ = _classify(error)
+    message = str(error) if isinstance(error, VoxgateError) and str(error) else "synthesis failed"
+    return ProtocolError(code, message, context_id=context_id)
+
+
+def engine_http_failure(error: BaseException | None) -> HTTPFailure:
+    failure = engine_error(error)
+    return HTTPFailure(_classify(error)[1], failure.code, failure.message)
+
+
+def _classify(error: BaseException | None) -> tuple[str, int]:
+    return next(((code, status) for kind, code, status in ENGINE_ERRORS if isinstance(error, kind)),
+                ("synthesis_failed", 500))

@@ -1,0 +1,302 @@
+"""A hostile client against a real server process (`voxgate serve`: uvicorn, the embedded tiny model, CPU).
+
+`hypothesis` writes the messages: every message type with, in every field, a valid value, a JSON value of any
+type, random Unicode (lone surrogates, bidi and zero-width marks, emoji, CJK, NUL, 100,000 characters) or an
+out-of-range number (NaN, 2**64, 5,000 digits, deep nesting); HTTP speech bodies the same way. Every example must
+end in the documented success (the context speaks, the request gets audio) or a specific error code: never
+`internal`, never a 500, never a session left hanging. The server process stays alive, and a healthy session
+beside it keeps receiving audio the whole time.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from realtime.protocol import ERROR_CODES
+from tests.server_process import ServerProcess, server_process
+
+MAX_MESSAGE_BYTES = 65536
+SERVER_OPTIONS = ["--max-text-chars", "300", "--max-message-rate", "100000", "--max-contexts", "4",
+                  "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-sessions", "16"]
+NEVER = {"internal", "synthesis_failed"}  # a fault inside the server, whatever the input
+EXAMPLE_TIMEOUT_S = 60.0
+
+
+# --- the server process and the healthy session beside it --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> ServerProcess:
+    with server_process(SERVER_OPTIONS, tmp_path_factory.mktemp("hostile") / "server.log") as running:
+        yield running
+    log = running.log()
+    assert "Traceback" not in log and " ERROR " not in log, log[-4000:]
+
+
+class HealthySession(threading.Thread):
+    """Speaks one short context after another on its own session, recording when each ended and how much audio it
+    had, until stopped."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.spoken: list[tuple[float, int]] = []  # (when context.done arrived, audio frames)
+        self.errors: list[object] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._speak())
+        except Exception as failure:  # reported by the test's assertions
+            self.errors.append(repr(failure))
+
+    async def _speak(self) -> None:
+        async with connect(self.url, max_size=None) as ws:
+            number = 0
+            while not self.stopping.is_set():
+                number += 1
+                context_id = f"healthy-{number}"
+                await ws.send(json.dumps({"type": "text.append", "context_id": context_id, "text": "Hello there."}))
+                await ws.send(json.dumps({"type": "context.end", "context_id": context_id}))
+                frames = 0
+                while True:
+                    message = await asyncio.wait_for(ws.recv(), 30)
+                    if isinstance(message, bytes):
+                        frames += 1
+                        continue
+                    parsed = json.loads(message)
+                    if parsed["type"] == "error":
+                        self.errors.append(parsed)
+                    if parsed["type"] == "context.done":
+                        break
+                self.spoken.append((time.monotonic(), frames))
+
+
+@pytest.fixture
+def healthy(server):
+    """A healthy session running beside the test; afterwards it must have spoken all along."""
+    session = HealthySession(server.ws)
+    session.start()
+    started = time.monotonic()
+    yield session
+    ended = time.monotonic()
+    session.stopping.set()
+    session.join(60)
+    assert not session.errors, session.errors
+    assert session.spoken and all(frames > 0 for _, frames in session.spoken)
+    times = [started] + [at for at, _ in session.spoken if at <= ended] + [ended]
+    assert max(b - a for a, b in zip(times, times[1:])) < 20, "the healthy session went without audio for 20 s"
+    server.assert_alive()
+
+
+# --- what a hostile client sends ---------------------------------------------------------------------------------
+
+BIG_INTEGER, DEEP_NESTING = "\x00big-integer\x00", "\x00deep-nesting\x00"  # spliced into the JSON text as written
+SPECIAL_TEXT = ["\ud800", "ok\udfff", "\udc00\ud800", "\u202eevil\u202c", "zero\u200bwidth\u200d\ufeff",
+                "\U0001F600\U0001F389", "\u4f60\u597d\u3002", "\x00nul\x00", "a" * 100_000, "\u0301",
+                " ", "", "Hello there.", "\u0645\u0631\u062d\u0628\u0627", "**bold** `code`", "\n\t", "\uffff",
+                BIG_INTEGER, DEEP_NESTING]
+surrogates = st.characters(categories=["Cs"])
+texts = st.one_of(st.text(max_size=40), st.sampled_from(SPECIAL_TEXT),
+                  st.builds(lambda a, b: a + b, st.text(max_size=8), surrogates),
+                  st.text(st.characters(categories=["Cf", "Zs", "Mn", "Co", "Cc"]), max_size=10))
+numbers = st.one_of(st.integers(), st.floats(), st.sampled_from(
+    [2**63 - 1, 2**63, 2**64, -(2**63) - 1, -1, 0, 10**19, 10**30, 1e308, -0.0, 0.5, 24000, 48000, 8000]))
+json_values = st.recursive(st.none() | st.booleans() | numbers | texts,
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                        max_size=3),
+                           max_leaves=6)
+
+VALID: dict[str, st.SearchStrategy] = {
+    "context_id": st.sampled_from(["c1", "c2", "*", "x" * 128]),
+    "text": st.sampled_from(["Hello there.", "Hi, how are you? ", "\u4f60\u597d\u3002", "Done."]),
+    "flush": st.booleans(),
+    "voice": st.sampled_from(["vivian", "ryan", "nobody", "VIVIAN"]),
+    "instructions": st.sampled_from(["A calm voice.", "", "x" * 2001]),
+    "language": st.sampled_from(["auto", "en", "English", "chinese", "klingon"]),
+    "played_ms": st.sampled_from([0, 120.5, 10**9]),
+    "name": st.sampled_from(["m1", "end"]),
+    "id": st.sampled_from(["p1", 7, 1.5]),
+    "mode": st.sampled_from(["graceful", "abort"]),
+    "preset": st.sampled_from(["browser", "twilio", "pcm", "nope"]),
+    "timestamps": st.sampled_from(["word", "none", "every"]),
+    "audio": st.fixed_dictionaries({}, optional={
+        "encoding": st.sampled_from(["opus", "pcm_s16le", "mulaw", "flac"]) | json_values,
+        "sample_rate": st.sampled_from([8000, 16000, 24000, 48000, 44100, 22050]) | numbers,
+        "frame_ms": st.sampled_from([10, 20, 40, 60]) | numbers,
+        "bitrate": st.sampled_from([6000, 24000, 128000]) | numbers}),
+    "transport": st.fixed_dictionaries({}, optional={"audio": st.sampled_from(["binary", "json"]) | json_values}),
+    "text_options": st.fixed_dictionaries({}, optional={
+        "buffering": st.sampled_from(["auto", "none", "sentence"]) | json_values,
+        "max_buffer_delay_ms": st.sampled_from([0, 150, 10000]) | numbers}),
+    "sampling": st.fixed_dictionaries({}, optional={
+        name: numbers | json_values for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")}),
+}
+FIELDS = {
+    "session.start": ["voice", "language", "instructions", "audio", "transport", "preset", "text", "sampling",
+                      "timestamps"],
+    "text.append": ["context_id", "text", "flush", "voice", "instructions", "language"],
+    "context.flush": ["context_id"], "context.end": ["context_id"], "context.cancel": ["context_id", "played_ms"],
+    "mark": ["context_id", "name"], "keepalive": [], "ping": ["id"], "session.close": ["mode"],
+}
+
+
+@st.composite
+def messages(draw) -> str:
+    """One client message as it goes on the wire."""
+    kind = draw(st.sampled_from(list(FIELDS)) | st.sampled_from(list(FIELDS)) | texts | json_values)
+    if not isinstance(kind, str) or kind not in FIELDS:
+        return _wire(draw(st.fixed_dictionaries({"type": st.just(kind)}, optional={"context_id": texts}))
+                     if draw(st.booleans()) else kind)
+    message = {"type": kind}
+    for name in FIELDS[kind]:
+        if draw(st.integers(0, 3)):  # most fields present
+            strategy = VALID["text_options"] if (kind, name) == ("session.start", "text") else VALID[name]
+            message[name] = draw(st.one_of(strategy, strategy, json_values))
+    if draw(st.booleans()):
+        message["event_id"] = draw(st.sampled_from(["e1", 42]) | json_values)
+    if draw(st.integers(0, 4)) == 0:
+        message[draw(st.text(max_size=10))] = draw(json_values)
+    return _wire(message)
+
+
+def _wire(value: object) -> str:
+    text = json.dumps(value)  # NaN and Infinity go out as written, as a careless client sends them
+    return (text.replace(json.dumps(BIG_INTEGER), "9" * 5000)
+            .replace(json.dumps(DEEP_NESTING), "[" * 5000 + "]" * 5000))
+
+
+# --- the socket --------------------------------------------------------------------------------------------------
+
+async def _exchange(url: str, wire: list[str]) -> None:
+    """Send the messages, then close out every context that started (end it, wait for audio or its end, cancel
+    all), checking every event on the way."""
+    async with connect(url, max_size=None) as ws:
+        events: list[dict] = []
+        try:
+            for text in wire:
+                await ws.send(text)
+            await ws.send(json.dumps({"type": "context.cancel", "context_id": "fin"}))  # acked in order
+            await _read_until(ws, events, lambda: _acked(events, "fin"))
+            open_ids = _open_contexts(events)
+            for context_id in open_ids:
+                await ws.send(json.dumps({"type": "context.end", "context_id": context_id}))
+            await _read_until(ws, events, lambda: all(_settled(events, c) for c in open_ids))
+            await ws.send(json.dumps({"type": "context.cancel", "context_id": "*"}))
+            await ws.send(json.dumps({"type": "context.cancel", "context_id": "fin2"}))
+            await _read_until(ws, events, lambda: _acked(events, "fin2"))
+        except ConnectionClosed as closed:
+            _check_close(closed, wire, events)
+        _check_events(events)
+
+
+async def _read_until(ws, events: list[dict], done) -> None:
+    deadline = time.monotonic() + EXAMPLE_TIMEOUT_S
+    while not done():
+        message = await asyncio.wait_for(ws.recv(), max(0.1, deadline - time.monotonic()))
+        events.append({"type": "audio", "stream_id": int.from_bytes(message[2:4], "little")}
+                      if isinstance(message, bytes) else json.loads(message))
+
+
+def _acked(events: list[dict], context_id: str) -> bool:
+    return any(e.get("type") == "context.cancelled" and e.get("context_id") == context_id for e in events)
+
+
+def _open_contexts(events: list[dict]) -> list[str]:
+    started = [e["context_id"] for e in events if e.get("type") == "context.started"]
+    return [c for c in started if not any(e.get("context_id") == c and e.get("type") in
+                                          ("context.done", "context.cancelled") for e in events)]
+
+
+def _settled(events: list[dict], context_id: str) -> bool:
+    """The context spoke (its first audio arrived) or ended."""
+    stream = next(e["stream_id"] for e in events if e.get("type") == "context.started"
+                  and e["context_id"] == context_id)
+    return any((e.get("type") == "audio" and (e.get("stream_id") == stream or e.get("context_id") == context_id))
+               or (e.get("context_id") == context_id and e.get("type") in ("context.done", "context.cancelled"))
+               for e in events)
+
+
+def _check_events(events: list[dict]) -> None:
+    for event in events:
+        if event.get("type") == "error":
+            assert event["code"] in ERROR_CODES and event["code"] not in NEVER, event
+            assert event["fatal"] is False, event
+    for event in events:  # a context that ended without audio says why, with a specific code
+        if event.get("type") == "context.done" and not event["audio_ms"]:
+            assert any(e.get("type") == "error" and e.get("context_id") == event["context_id"] for e in events)
+
+
+def _check_close(closed: ConnectionClosed, wire: list[str], events: list[dict]) -> None:
+    """The session may end only as documented: a message over the size limit (1009) or session.close (1000)."""
+    code = closed.rcvd.code if closed.rcvd else None
+    too_big = any(len(text.encode("utf-8", "surrogatepass")) > MAX_MESSAGE_BYTES for text in wire)
+    closing = any(e.get("type") == "session.closed" for e in events)
+    assert (code == 1009 and too_big) or (code == 1000 and closing), (code, events[-5:])
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")), deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(wire=st.lists(messages(), min_size=1, max_size=5))
+def test_hostile_socket_messages_get_specific_errors_and_hurt_no_one(server, healthy, wire):
+    asyncio.run(asyncio.wait_for(_exchange(server.ws, wire), 2 * EXAMPLE_TIMEOUT_S))
+    assert server.process.poll() is None
+
+
+# --- the speech endpoint ------------------------------------------------------------------------------------------
+
+HTTP_VALID = {
+    "model": st.sampled_from(["tts-1", "gpt-4o-mini-tts", "nope"]),
+    "input": st.sampled_from(["Hello there.", "Hi!", "\u4f60\u597d\u3002"]),
+    "voice": VALID["voice"], "instructions": VALID["instructions"], "language": VALID["language"],
+    "response_format": st.sampled_from(["pcm", "wav", "opus", "flac", "mp3", "aac", "ogg"]),
+    "stream_format": st.sampled_from(["audio", "sse", "chunks"]),
+    "speed": st.sampled_from([1.0, 1, 0.25, 4.0, 4.1, 0]),
+    "seed": st.sampled_from([0, 2**63 - 1, 2**63, 2**64, -1]),
+}
+
+
+@st.composite
+def speech_bodies(draw) -> bytes:
+    if draw(st.integers(0, 9)) == 0:  # not a JSON object at all
+        return draw(st.sampled_from([b"", b"{", b"\xff\xfe", b"null", b"[" * 3000, b"{\"input\": NaN}",
+                                     b"{\"input\": \"a\", \"seed\": " + b"9" * 5000 + b"}",
+                                     b"{\"input\": \"" + b"a" * (MAX_MESSAGE_BYTES + 10) + b"\"}"]) | st.binary())
+    body = {}
+    for name, valid in HTTP_VALID.items():
+        if name == "input" or draw(st.integers(0, 2)) == 0:
+            body[name] = draw(st.one_of(valid, valid, json_values))
+    return _wire(body).encode("utf-8", "surrogatepass")
+
+
+def _post(url: str, body: bytes) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=EXAMPLE_TIMEOUT_S) as response:
+            return response.status, response.read(4096)  # the first audio is enough: the rest is cancelled
+    except urllib.error.HTTPError as failure:
+        return failure.code, failure.read()
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")), deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(body=speech_bodies())
+def test_hostile_speech_bodies_get_specific_errors_and_hurt_no_one(server, healthy, body):
+    status, payload = _post(server.http + "/v1/audio/speech", body)
+    if status == 200:
+        assert payload, "a 200 without audio"
+    else:
+        error = json.loads(payload)["error"]
+        assert status in (400, 413, 503) and error["code"] in ERROR_CODES and error["code"] not in NEVER, \
+            (status, error)
+    assert server.process.poll() is None

@@ -1,0 +1,269 @@
+"""The transport against a hostile client, on a real server: connections that never finish their request headers are
+closed after the handshake timeout, open connections are capped, API keys come from the environment or a file and
+never reach a log, and `voxgate serve` fails fast and clearly."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+
+from realtime.gateway import GatewayOptions, Limits
+from realtime.server import build_server, redact
+from tests.gateway_server import running_server, serve_in_thread
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 1.0  # the servers' handshake timeout here
+MARGIN_S = 1.0
+KEY = "transport-key-7f3a9c"
+SLOW_REQUEST = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: 1\r\n" * 1000  # never ends its headers
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(Limits(handshake_timeout_s=TIMEOUT_S, max_sessions=2, max_connections=5,
+                               api_keys=(KEY,))) as running:
+        yield running
+
+
+def raw_socket(server) -> socket.socket:
+    host, port = server.http.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def seconds_until_closed(sock: socket.socket, drip: bytes = b"", limit_s: float = TIMEOUT_S + 3) -> float:
+    """How long the server keeps `sock` open while the client sends `drip` one byte every 0.2 s (faster than the
+    timeout, so that a deadline pushed back by each byte would never fire)."""
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    for index in range(10 ** 6):
+        if time.monotonic() - started > limit_s:
+            raise AssertionError(f"the server kept the connection open for {limit_s} s")
+        try:
+            if index < len(drip):
+                sock.send(drip[index:index + 1])
+            if sock.recv(4096) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            continue
+        except OSError:  # reset: closed too
+            return time.monotonic() - started
+    raise AssertionError("unreachable")
+
+
+def test_a_silent_connection_is_closed_after_the_handshake_timeout(server):
+    with raw_socket(server) as sock:
+        assert TIMEOUT_S - 0.1 <= seconds_until_closed(sock) <= TIMEOUT_S + MARGIN_S
+
+
+def test_a_request_sent_a_byte_at_a_time_is_closed_after_the_handshake_timeout(server):
+    with raw_socket(server) as sock:
+        assert TIMEOUT_S - 0.1 <= seconds_until_closed(sock, SLOW_REQUEST) <= TIMEOUT_S + MARGIN_S
+
+
+def test_the_next_request_on_a_kept_alive_connection_has_the_same_deadline(server):
+    """uvicorn's keep-alive timer stops at the first byte of the next request: without the deadline, a trickle
+    would hold the connection for ever."""
+    with raw_socket(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        response = b""
+        while b'{"status":"ok"}' not in response:
+            response += sock.recv(4096)
+        assert response.startswith(b"HTTP/1.1 200")
+        assert seconds_until_closed(sock, SLOW_REQUEST) <= TIMEOUT_S + MARGIN_S
+
+
+def test_requests_within_the_deadline_and_streamed_responses_are_not_cut(server):
+    with raw_socket(server) as sock:  # headers sent in pieces, complete within the deadline
+        for piece in (b"GET /health HT", b"TP/1.1\r\nHost: x\r\n", b"\r\n"):
+            sock.sendall(piece)
+            time.sleep(TIMEOUT_S / 4)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(TIMEOUT_S * 1.5)  # an idle kept-alive connection is uvicorn's keep-alive timeout's (5 s)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    started = time.monotonic()
+    status, _, pcm = server.post("/v1/audio/speech", {"input": "One, two.", "response_format": "pcm"}, KEY)
+    assert time.monotonic() - started > TIMEOUT_S + 0.3  # the stream outlived the handshake timeout
+    assert status == 200 and len(pcm) >= 2 * 24000 * 2  # whole: the runaway guard's 2 s at least
+
+
+def test_a_websocket_session_outlives_the_handshake_timeout(server):
+    async def go():
+        async with connect(server.ws + f"?token={KEY}&encoding=pcm_s16le", max_size=None) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+            await asyncio.sleep(TIMEOUT_S * 1.5)
+            await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hi."}))
+            await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
+            while True:
+                message = await asyncio.wait_for(ws.recv(), 60)
+                if isinstance(message, str) and json.loads(message)["type"] == "context.done":
+                    return
+    asyncio.run(go())
+
+
+def test_connections_past_the_cap_get_a_503_and_are_closed(server):
+    """The cap is 5: five silent sockets stay open, the sixth is answered at once; closing them frees room."""
+    socks = [raw_socket(server) for _ in range(6)]
+    try:
+        readable, _, _ = select.select(socks, [], [], TIMEOUT_S / 2)
+        assert readable == [socks[5]]
+        refused = b""
+        while chunk := socks[5].recv(4096):
+            refused += chunk
+        assert refused.startswith(b"HTTP/1.1 503") and refused.endswith(b"too many open connections\n")
+    finally:
+        for sock in socks:
+            sock.close()
+    time.sleep(0.2)
+    assert server.get("/health")[0] == 200
+
+
+def test_build_server_exits_non_zero_when_the_gateway_fails_for_good():
+    server = build_server(GatewayOptions(), port=0, log_level="warning")
+    thread, _ = serve_in_thread(server)
+    server.gateway.on_fatal("the engine died")
+    thread.join(timeout=30)
+    assert not thread.is_alive() and server.exit_code == 1
+
+
+@pytest.mark.parametrize("line", [
+    '127.0.0.1:5 - "GET /v1/voices?token=SECRET HTTP/1.1" 200',
+    '"WebSocket /v1/tts/stream?voice=a&token=SECRET&encoding=pcm_s16le" [accepted]',
+    "/x?api_key=SECRET", "/x?key=SECRET#f", "/x?%74oken=SECRET", "/x?a=1;access_token=SECRET",
+])
+def test_redact_removes_every_secret_query_value(line):
+    assert "SECRET" not in redact(line) and "[redacted]" in redact(line)
+    assert redact("/x?voice=vivian&encoding=opus") == "/x?voice=vivian&encoding=opus"
+
+
+def voxgate(*args: str, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "realtime.cli", *map(str, args)], cwd=ROOT,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **popen)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def http_status(url: str, token: str | None = None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as failure:
+        return failure.code
+
+
+@pytest.fixture(scope="module")
+def served_log(tmp_path_factory) -> dict:
+    """A `voxgate serve` process with keys from $VOXGATE_API_KEYS and --api-key-file (none on its command line),
+    used over HTTP and WebSocket with ?token=KEY; what it logged at INFO once stopped."""
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text("# the file's key\n\n  file-key-51d0e2  \n")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = voxgate("serve", "--port", port, "--api-key-file", key_file, "--handshake-timeout", TIMEOUT_S,
+                     env={"VOXGATE_API_KEYS": f"env-key-a81c44, {KEY}"})
+    results: dict = {}
+    try:
+        deadline = time.monotonic() + 120
+        while http_status_or_none(base + "/ready") != 200:
+            assert time.monotonic() < deadline and server.poll() is None, "the server did not become ready"
+            time.sleep(0.2)
+        for key in ("env-key-a81c44", KEY, "file-key-51d0e2", None, "wrong-key-0c9b7d"):
+            results[key] = http_status(base + "/v1/voices", key)
+        results["query"] = http_status(base + f"/v1/voices?token={KEY}")
+        results["events"] = asyncio.run(speak_with_query_token(port))
+    finally:
+        server.send_signal(signal.SIGINT)
+        results["log"] = server.communicate(timeout=60)[0]
+    return results
+
+
+def http_status_or_none(url: str) -> int | None:
+    try:
+        return http_status(url)
+    except OSError:
+        return None
+
+
+TEXT = "Zebulon quartzite marmalade"
+
+
+async def speak_with_query_token(port: int) -> list[str]:
+    async with connect(f"ws://127.0.0.1:{port}/v1/tts/stream?token={KEY}&encoding=pcm_s16le", max_size=None) as ws:
+        types = [json.loads(await ws.recv())["type"]]
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": TEXT}))
+        await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
+        while types[-1] != "context.done":
+            message = await asyncio.wait_for(ws.recv(), 60)
+            if isinstance(message, str):
+                types.append(json.loads(message)["type"])
+        return types
+
+
+def test_keys_come_from_the_environment_and_a_key_file(served_log):
+    assert [served_log[key] for key in ("env-key-a81c44", KEY, "file-key-51d0e2")] == [200, 200, 200]
+    assert served_log[None] == 401 and served_log["wrong-key-0c9b7d"] == 401
+    assert served_log["query"] == 200 and served_log["events"][0] == "session.started"
+
+
+def test_no_log_line_holds_a_key_or_the_users_text(served_log):
+    log = served_log["log"]
+    assert "GET /v1/voices?token=[redacted]" in log and "/v1/tts/stream?token=[redacted]" in log  # it logged them
+    assert "context.done" in served_log["events"]
+    for secret in (KEY, "env-key-a81c44", "file-key-51d0e2", "wrong-key-0c9b7d", TEXT, "Zebulon"):
+        assert secret not in log
+    assert "Traceback" not in log and "DeprecationWarning" not in log
+
+
+def test_serve_on_a_busy_port_fails_at_once_with_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        run = voxgate("serve", "--port", port)
+        output = run.communicate(timeout=60)[0]
+    assert run.returncode == 2 and time.monotonic() - started < 15  # before the model loads
+    assert output.strip().splitlines() == [f"voxgate: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_serve_exits_non_zero_when_the_model_does_not_load(tmp_path):
+    run = voxgate("serve", "--port", free_port(), "--model", tmp_path / "no-such-model")
+    output = run.communicate(timeout=60)[0]
+    assert run.returncode == 1, output
+    assert "start-up failed" in output and "Finished server process" in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read --api-key-file"), ("# only a comment\n\n", "holds no key"),
+])
+def test_a_missing_or_empty_key_file_is_one_clear_line(tmp_path, content, message):
+    path = tmp_path / "keys.txt"
+    if content is not None:
+        path.write_text(content)
+    run = voxgate("serve", "--api-key-file", path)
+    output = run.communicate(timeout=60)[0]
+    assert run.returncode == 2 and len(output.strip().splitlines()) == 1 and message in output
+
+
+def test_max_connections_must_exceed_max_sessions():
+    run = voxgate("serve", "--max-sessions", "10", "--max-connections", "10")
+    output = run.communicate(timeout=60)[0]
+    assert run.returncode == 2 and "--max-connections must be more than --max-sessions" in output
