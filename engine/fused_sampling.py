@@ -24,9 +24,13 @@ def _mix32(x):
 
 @triton.jit
 def _ordered_keys(x):
-    """float32 -> uint32 with the same order (negative floats flipped, positive ones above them)."""
+    """float32 -> uint32 with the same order (negative floats flipped, positive ones above them).
+
+    The flip is `bits ^ 0xFFFFFFFF` with a typed uint32 constant, not `~bits`: the interpreter of Triton 3.8 (the
+    one torch 2.14 pins) builds `~`'s all-ones operand as numpy's uint32(-1), which numpy 2 rejects with
+    OverflowError. Both spell the same xor on the GPU."""
     bits = x.to(tl.uint32, bitcast=True)
-    return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+    return tl.where((bits >> 31) == 1, bits ^ tl.full((), 0xFFFFFFFF, tl.uint32), bits | 0x80000000)
 
 
 @triton.jit
