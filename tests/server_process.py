@@ -59,13 +59,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(options: list[str], log_path: Path, env: dict[str, str] | None = None
-                   ) -> Iterator[ServerProcess]:
-    """`voxgate serve` with `options`, ready; terminated (and waited for) afterwards."""
+def server_process(options: list[str], log_path: Path, env: dict[str, str] | None = None,
+                   python: str = sys.executable, cwd: Path = ROOT) -> Iterator[ServerProcess]:
+    """`voxgate serve` with `options` (run by `python` in `cwd`), ready; terminated (and waited for) afterwards."""
     port = free_port()
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "realtime.cli", "serve", "--port", str(port), *options],
-                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen([python, "-m", "realtime.cli", "serve", "--port", str(port), *options],
+                                   cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     running = ServerProcess(port, process, log_path)
     try:

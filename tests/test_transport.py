@@ -244,8 +244,21 @@ def test_serve_on_a_busy_port_fails_at_once_with_one_line():
     assert output.strip().splitlines() == [f"voxgate: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
 
 
+@pytest.mark.parametrize("option,message", [
+    (("--model", "/no/such/model"), "voxgate: error: --model /no/such/model: no such checkpoint directory"),
+    (("--device", "cuda:7"), "voxgate: error: --device cuda:7: no such CUDA device"),
+    (("--device", "abacus"), "voxgate: error: --device 'abacus' is not a device"),
+])
+def test_serve_refuses_a_missing_model_or_device_before_serving(option, message):
+    started = time.monotonic()
+    run = voxgate("serve", "--port", free_port(), *option)
+    output = run.communicate(timeout=60)[0]
+    assert run.returncode == 2 and time.monotonic() - started < 15, output
+    assert len(output.strip().splitlines()) == 1 and output.startswith(message), output
+
+
 def test_serve_exits_non_zero_when_the_model_does_not_load(tmp_path):
-    run = voxgate("serve", "--port", free_port(), "--model", tmp_path / "no-such-model")
+    run = voxgate("serve", "--port", free_port(), "--model", tmp_path)  # a directory, but no checkpoint in it
     output = run.communicate(timeout=60)[0]
     assert run.returncode == 1, output
     assert "start-up failed" in output and "Finished server process" in output and "Traceback" not in output
