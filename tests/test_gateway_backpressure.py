@@ -8,13 +8,16 @@ import socket
 
 from websockets.asyncio.client import connect
 
+import realtime.server as server_module
 from realtime.gateway import Limits
 from tests.gateway_server import events_until_closed, running_server
 
 SEND_QUEUE_MS = 400
 
 
-def test_a_client_that_stops_reading_is_bounded_warned_and_closed():
+def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch):
+    # a client that reads nothing answers no ping either: keep the ping timeout out of the way of the hard limit
+    monkeypatch.setattr(server_module, "PING_INTERVAL_S", 120.0)
     with running_server(Limits(send_queue_ms=SEND_QUEUE_MS)) as server:
         async def go():
             # a tiny receive window and read queue: the socket stops taking frames almost at once
@@ -24,21 +27,23 @@ def test_a_client_that_stops_reading_is_bounded_warned_and_closed():
             ws = await connect(server.ws + "?encoding=pcm_s16le&sample_rate=48000", sock=sock, max_queue=1,
                                max_size=None)
             await ws.recv()  # session.started
+            ws.transport.pause_reading()  # the client reads nothing from here on, whatever its library buffers
             for i in range(4):
                 await ws.send(json.dumps({"type": "text.append", "context_id": str(i), "flush": True,
                                           "text": "A long answer that keeps the model talking for a while. " * 5}))
             (session,) = server.gateway.sessions
             peak = 0.0
-            for _ in range(300):  # up to 15 s without reading
+            for _ in range(1200):  # up to 60 s without reading (the kernel buffers megabytes first)
                 await asyncio.sleep(0.05)
                 peak = max(peak, session.outbox.queued_ms)
                 if session._close is not None:
                     break
             chunk_ms = 320  # the largest chunk the engine hands over at once (4 frames of 80 ms)
             assert peak <= SEND_QUEUE_MS + 4 * chunk_ms  # each of the 4 contexts may add one chunk past the limit
+            ws.transport.resume_reading()
             events, close_code = await events_until_closed(ws)
             codes = [e.get("code") for e in events if e["type"] in ("warning", "error")]
-            assert "slow_consumer" in codes
+            assert "slow_consumer" in codes, (close_code, events[-3:])
             assert close_code == 1008 and any(e["type"] == "error" and e["fatal"] for e in events)
             async with connect(server.ws) as other:  # the server is fine
                 assert json.loads(await other.recv())["type"] == "session.started"
