@@ -14,13 +14,13 @@ import torch
 from engine.checkpoint import UNUSED_DECODER_TENSORS, load_module, read_tensors
 from engine.config import ModelConfig, SpeechTokenizerConfig, load_model_config, load_speech_tokenizer_config
 from engine.errors import CheckpointError, EmptyText, RequestError
-from engine.generate import RunawayGuard, generate_frames
 from engine.model.codec_decoder import CodecDecoder
 from engine.model.talker import Talker
 from engine.prompt import TEXT_LAYOUTS, Prompt, PromptBuilder, Voice
-from engine.requests import check_text
+from engine.reference import generate_frames
+from engine.request import RunawayGuard, check_text
 from engine.sampling import SamplingParams
-from engine.text import TextTokenizer, load_tokenizer
+from engine.text.tokenizer import TextTokenizer, load_tokenizer
 
 ISO_LANGUAGES = {"zh": "chinese", "en": "english", "de": "german", "it": "italian", "pt": "portuguese",
                  "es": "spanish", "ja": "japanese", "ko": "korean", "fr": "french", "ru": "russian"}

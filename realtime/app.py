@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
-
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -19,13 +18,20 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from realtime.chat import ChatSocket
-from realtime.gateway import Gateway
-from realtime.protocol import (CLOSE_OVERLOADED, CLOSE_POLICY, CLOSE_UNAUTHORIZED, ProtocolError, SessionConfig,
-                               configure, error_event, query_fields)
-from realtime.session import Session
 from realtime.errors import HTTPFailure
-from realtime.speech_http import (SpeechRequest, parse_speech_request, pcm_bytes, sse_events, start_speech,
-                                  whole_file)
+from realtime.gateway import Gateway
+from realtime.speech_http import SpeechRequest, parse_speech_request, pcm_bytes, sse_events, start_speech, whole_file
+from realtime.ws.protocol import (
+    CLOSE_OVERLOADED,
+    CLOSE_POLICY,
+    CLOSE_UNAUTHORIZED,
+    ProtocolError,
+    SessionConfig,
+    configure,
+    error_event,
+    query_fields,
+)
+from realtime.ws.session import Session
 
 log = logging.getLogger("voxgate")
 

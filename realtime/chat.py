@@ -18,8 +18,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from realtime.gateway import Gateway
 from realtime.llm import LLMConfig, LLMError, new_http_client, stream_chat
-from realtime.protocol import ProtocolError, event, parse_message
-from realtime.session import RateLimiter, Session
+from realtime.ws.protocol import ProtocolError, event, parse_message
+from realtime.ws.session import RateLimiter, Session
 
 log = logging.getLogger("voxgate")
 MAX_CHAT_MESSAGES = 200

@@ -35,7 +35,7 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _checkpoint_parser(sub: argparse._SubParsersAction) -> None:
-    from engine.model_configs import SIZES, VARIANTS
+    from engine.synthetic.configs import SIZES, VARIANTS
 
     p = sub.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")
     p.add_argument("--size", choices=SIZES, default="tiny")
@@ -50,8 +50,8 @@ def run_synth(args: argparse.Namespace) -> None:
     import soundfile as sf
 
     from engine.model_source import resolve_model
-    from engine.random_checkpoint import default_model_dir
     from engine.sampling import SamplingParams
+    from engine.synthetic.checkpoints import default_model_dir
     from engine.tts import TTSModel, VoiceRequest
 
     if args.max_frames is not None and args.max_frames < 1:
@@ -172,7 +172,7 @@ def _key_file(path: Path) -> list[str]:
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> None:
-    from engine.random_checkpoint import write_random_checkpoint
+    from engine.synthetic.checkpoints import write_random_checkpoint
 
     write_random_checkpoint(args.output, args.size, args.variant, seed=args.seed)
     print(f"wrote a random {args.size} {args.variant} checkpoint to {args.output}", file=sys.stderr)

@@ -21,7 +21,8 @@ from typing import Any
 from urllib.parse import urlencode
 
 import numpy as np
-from websockets.asyncio.client import ClientConnection, connect as ws_connect
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 MAGIC = 0xA1

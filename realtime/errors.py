@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import (EmptyText, EngineFailed, EngineFull, RequestError, SynthesisFailed, TextTooLong,
-                           VoxgateError)
-from realtime.protocol import ProtocolError
+from engine.errors import EmptyText, EngineFailed, EngineFull, RequestError, SynthesisFailed, TextTooLong, VoxgateError
+from realtime.ws.protocol import ProtocolError
 
 # most specific first: the first type the error is an instance of gives its code and status
 ENGINE_ERRORS: tuple[tuple[type[VoxgateError], str, int], ...] = (

@@ -17,20 +17,21 @@ from pathlib import Path
 
 import torch
 
-from engine.async_engine import AsyncEngine
-from engine.engine_process import EngineSpec, ProcessEngine
-from engine.engine import Engine, EngineConfig, Finished, SynthesisRequest
+from engine.core.engine import Engine, EngineConfig
 from engine.errors import EngineFailed, VoxgateError
 from engine.model_source import resolve_model
 from engine.prompt import Voice
+from engine.request import Finished, SynthesisRequest
 from engine.sampling import SamplingParams
-from engine.speech_context import SpeechContext
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
-from engine.utterances import UtterancePlanner
 from realtime.llm import LLMConfig
 from realtime.metrics import Metrics
-from realtime.protocol import Sampling
 from realtime.voices import CloneVoice, VoiceCatalog
+from realtime.ws.protocol import Sampling
+from realtime.ws.speech_context import SpeechContext
+from realtime.ws.utterances import UtterancePlanner
 
 log = logging.getLogger("voxgate")
 STALLED_STEP_S = 30.0  # a step running longer than this means the device hangs: the engine is restarted
@@ -138,7 +139,7 @@ class Gateway:
             self._loaded.set()
 
     def _load(self) -> tuple[TTSModel, VoiceCatalog]:
-        from engine.random_checkpoint import default_model_dir
+        from engine.synthetic.checkpoints import default_model_dir
 
         model_dir, name = resolve_model(self.options.model or default_model_dir())
         tts = TTSModel.load(model_dir, device=self.options.device, dtype=self._dtype())
@@ -156,7 +157,7 @@ class Gateway:
 
     async def _start_engine(self) -> None:
         """The engine on a thread of this process, or in a process of its own (on a GPU by default: the gateway's
-        threads would otherwise starve the step of the GIL; engine/engine_process.py says why)."""
+        threads would otherwise starve the step of the GIL; engine/serving/process_engine.py says why)."""
         in_process = self.options.engine_process if self.options.engine_process is not None else self._gpu()
         if in_process:
             spec = EngineSpec(self.tts.model_dir, self.options.device, self._dtype(), self._engine_config(),

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.errors import RequestError
-from engine.speech_context import ContextAudio, ContextEnd
 from realtime.audio import HTTP_FORMATS, UnsupportedFormat, encode_file, mp3_available, to_int16
 from realtime.errors import HTTPFailure, engine_http_failure
 from realtime.gateway import Gateway
-from realtime.protocol import MAX_INSTRUCTIONS_CHARS, MAX_NAME_CHARS, MAX_SEED, ProtocolError, Sampling, load_json
 from realtime.voices import VoiceError
+from realtime.ws.protocol import MAX_INSTRUCTIONS_CHARS, MAX_NAME_CHARS, MAX_SEED, ProtocolError, Sampling, load_json
+from realtime.ws.speech_context import ContextAudio, ContextEnd
 
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 SPEED_RANGE = (0.25, 4.0)  # OpenAI's

@@ -11,7 +11,7 @@ from typing import Any
 from engine.errors import RequestError
 from engine.prompt import Voice
 from engine.tts import TTSModel, VoiceRequest
-from realtime.protocol import ProtocolError
+from realtime.ws.protocol import ProtocolError
 
 DESIGN_VOICE = "design"
 VOICE_CACHE_BYTES = 4 * 1024 * 1024  # voices with instructions (free text) kept for reuse, least recently used out

@@ -25,12 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.engine import AudioChunk, Engine, EngineConfig, SynthesisRequest  # noqa: E402
-from engine.random_checkpoint import write_random_checkpoint  # noqa: E402
+from engine.core.engine import Engine, EngineConfig  # noqa: E402
+from engine.core.simulator import llm_token_times  # noqa: E402
+from engine.request import AudioChunk, SynthesisRequest
 from engine.sampling import MIN_NEW_FRAMES, SamplingParams  # noqa: E402
-from engine.simulator import llm_token_times  # noqa: E402
+from engine.synthetic.checkpoints import write_random_checkpoint  # noqa: E402
 from engine.tts import TTSModel, VoiceRequest  # noqa: E402
-from engine.utterances import UtterancePlanner  # noqa: E402
+from realtime.ws.utterances import UtterancePlanner  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while music plays softly in the old town hall tonight "
          "and everyone listens to the story about rivers mountains and distant cities").split()

@@ -27,7 +27,7 @@ from websockets.exceptions import ConnectionClosed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.simulator import llm_token_times  # noqa: E402
+from engine.core.simulator import llm_token_times  # noqa: E402
 from realtime.client import ContextResult, VoxgateClient, VoxgateError  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while music plays softly in the old town hall tonight "

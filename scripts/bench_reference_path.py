@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.generate import generate_frames  # noqa: E402
-from engine.random_checkpoint import write_random_checkpoint  # noqa: E402
+from engine.reference import generate_frames  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.synthetic.checkpoints import write_random_checkpoint  # noqa: E402
 from engine.tts import TTSModel, VoiceRequest  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog while the orchestra tunes up for tonight's concert."

@@ -18,9 +18,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.engine import Engine, EngineConfig, SynthesisRequest  # noqa: E402
-from engine.random_checkpoint import write_random_checkpoint  # noqa: E402
+from engine.core.engine import Engine, EngineConfig  # noqa: E402
+from engine.request import SynthesisRequest
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.synthetic.checkpoints import write_random_checkpoint  # noqa: E402
 from engine.tts import TTSModel, VoiceRequest  # noqa: E402
 
 
@@ -42,7 +43,7 @@ def kernel_table(engine: Engine, steps: int) -> dict:
     batch = engine._batch(list(engine.running.values()))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            engine.runner.step(batch)
+            engine.core.model_runner.step(batch)
         torch.cuda.synchronize()
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in prof.events():

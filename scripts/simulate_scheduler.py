@@ -1,4 +1,4 @@
-"""Compare scheduling policies on the simulator (engine/simulator.py): Poisson load, a GPU cost model, the real
+"""Compare scheduling policies on the simulator (engine/core/simulator.py): Poisson load, a GPU cost model, the real
 scheduler. Prints one markdown table row per (text mode, rate, policy).
 
     python scripts/simulate_scheduler.py --rates 40,60,80 --slots 512 --max-step-batch 256
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from engine.scheduler import Scheduler
-from engine.simulator import CostModel, poisson_workload, simulate, summarize
+from engine.core.scheduler import Scheduler
+from engine.core.simulator import CostModel, poisson_workload, simulate, summarize
 
 
 def main() -> None:

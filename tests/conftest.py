@@ -57,7 +57,7 @@ def ref_audio() -> tuple[np.ndarray, int]:
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """variant -> a tiny random checkpoint written by our own writer (what `voxgate make-checkpoint` writes)."""
-    from engine.random_checkpoint import write_random_checkpoint
+    from engine.synthetic.checkpoints import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     return {variant: write_random_checkpoint(root / variant, "tiny", variant, seed=1) for variant in VARIANTS}

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from engine.engine import Engine
-from engine.text import TextTokenizer
+from engine.core.engine import Engine
+from engine.text.tokenizer import TextTokenizer
 
 TOKENIZE = "TOKENIZEFAULT"
 PROMPT = "PROMPTFAULT"
@@ -37,7 +37,7 @@ def inject_faults(engine: Engine) -> None:
     tts = engine.tts = copy.copy(engine.tts)
     tts.tokenizer = TextTokenizer(_Tokenizer(tts.tokenizer.tokenizer))
     tts.prompt_from_ids = _checked(tts.prompt_from_ids, lambda ids, *_: _raise_if(PROMPT, _decode(tts, ids)))
-    engine.runner.prefill = _checked(engine.runner.prefill, lambda slots, _: _raise_for(engine, PREFILL, slots))
+    engine.core.model_runner.prefill = _checked(engine.core.model_runner.prefill, lambda slots, _: _raise_for(engine, PREFILL, slots))
     engine.decoders.decode = _checked(engine.decoders.decode, lambda slots, _: _raise_for(engine, DECODE, slots))
     engine._step = _checked(engine._step, lambda batch: _step_faults(engine, batch.slots.tolist()))
 

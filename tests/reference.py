@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 # torchaudio has no wheel that loads under torch 2.13, and only the unreleased 25 Hz tokenizer uses it
 # (torchaudio.compliance.kaldi). transformers must be imported first so its own torchaudio probe sees none.
 import transformers  # noqa: F401
 import transformers.utils.import_utils  # noqa: F401
+from torch import nn
 
 if "torchaudio" not in sys.modules:
     _torchaudio = types.ModuleType("torchaudio")
@@ -34,16 +34,20 @@ if "torchaudio" not in sys.modules:
 
 import qwen_tts  # noqa: E402
 from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSConfig  # noqa: E402
-from qwen_tts.core.models.modeling_qwen3_tts import (  # noqa: E402
-    Qwen3TTSForConditionalGeneration, Qwen3TTSRMSNorm, mel_spectrogram)
+from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSForConditionalGeneration, Qwen3TTSRMSNorm, mel_spectrogram  # noqa: E402
 from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config  # noqa: E402
 from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (  # noqa: E402
-    EuclideanCodebook, Qwen3TTSTokenizerV2ConvNeXtBlock, Qwen3TTSTokenizerV2DecoderLayerScale,
-    Qwen3TTSTokenizerV2DecoderRMSNorm, Qwen3TTSTokenizerV2Model, SnakeBeta)
+    EuclideanCodebook,
+    Qwen3TTSTokenizerV2ConvNeXtBlock,
+    Qwen3TTSTokenizerV2DecoderLayerScale,
+    Qwen3TTSTokenizerV2DecoderRMSNorm,
+    Qwen3TTSTokenizerV2Model,
+    SnakeBeta,
+)
 from transformers.models.mimi.modeling_mimi import MimiEuclideanCodebook, MimiLayerScale  # noqa: E402
 
-from engine.model_configs import GENERATION_CONFIG, SPEECH_PREPROCESSOR, model_config, speech_tokenizer_config  # noqa: E402
-from engine.tokenizer_files import write_tokenizer_files  # noqa: E402
+from engine.synthetic.configs import GENERATION_CONFIG, SPEECH_PREPROCESSOR, model_config, speech_tokenizer_config  # noqa: E402
+from engine.synthetic.tokenizer_files import write_tokenizer_files  # noqa: E402
 
 MODES = ("custom_voice", "voice_design", "clone_xvector", "clone_icl")
 SPEAKER_ENCODER_KEYS = ("mel_dim", "enc_dim", "enc_channels", "enc_kernel_sizes", "enc_dilations",

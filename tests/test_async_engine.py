@@ -5,9 +5,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.engine import AudioChunk, Engine, EngineConfig, Finished, SynthesisRequest
+from engine.core.engine import Engine, EngineConfig
+from engine.request import AudioChunk, Finished, SynthesisRequest
 from engine.sampling import SamplingParams
+from engine.serving.async_engine import AsyncEngine
 from engine.tts import TTSModel, VoiceRequest
 
 

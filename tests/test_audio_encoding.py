@@ -11,9 +11,23 @@ import pytest
 import soundfile
 import soxr
 
-from realtime.audio import (DEFAULT_RATES, HTTP_FORMATS, MODEL_SAMPLE_RATE, SAMPLE_RATES, AudioFormat,
-                            EncodedFrame, StreamEncoder, UnsupportedFormat, encode_file, mp3_available,
-                            mulaw_decode, mulaw_encode, ogg_crc, ogg_opus, to_int16)
+from realtime.audio import (
+    DEFAULT_RATES,
+    HTTP_FORMATS,
+    MODEL_SAMPLE_RATE,
+    SAMPLE_RATES,
+    AudioFormat,
+    EncodedFrame,
+    StreamEncoder,
+    UnsupportedFormat,
+    encode_file,
+    mp3_available,
+    mulaw_decode,
+    mulaw_encode,
+    ogg_crc,
+    ogg_opus,
+    to_int16,
+)
 
 LENGTH = int(1.234 * MODEL_SAMPLE_RATE)  # not a whole number of frames at any rate
 

@@ -4,8 +4,8 @@ import torch
 
 from engine.config import parse_speech_tokenizer_config
 from engine.model.codec_decoder import CodecDecoder
-from engine.model_configs import speech_tokenizer_config
-from engine.random_checkpoint import _randomize
+from engine.synthetic.checkpoints import _randomize
+from engine.synthetic.configs import speech_tokenizer_config
 
 
 @pytest.fixture(scope="module")

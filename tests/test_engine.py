@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engine import AudioChunk, Engine, EngineConfig, Finished, SynthesisRequest
+from engine.core.engine import Engine, EngineConfig
 from engine.errors import EngineFull, TextTooLong
+from engine.request import AudioChunk, Finished, SynthesisRequest
 from engine.sampling import SamplingParams
 from engine.tts import TTSModel, VoiceRequest
 

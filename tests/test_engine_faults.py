@@ -12,17 +12,17 @@ import pytest
 import torch
 
 import realtime.gateway
-from engine.async_engine import AsyncEngine
-from engine.engine import AudioChunk, Engine, EngineConfig, Finished, SynthesisRequest
-from engine.engine_process import EngineSpec, ProcessEngine
+from engine.core.engine import Engine, EngineConfig
 from engine.errors import EmptyText, EngineFailed, EngineFull, RequestError, SynthesisFailed
 from engine.prompt import Voice
-from engine.requests import SEED_RANGE
+from engine.request import SEED_RANGE, AudioChunk, Finished, SynthesisRequest
 from engine.sampling import SamplingParams
-from engine.speech_context import ContextEnd, ContextText
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel, VoiceRequest
 from realtime.client import VoxgateClient
 from realtime.gateway import Gateway, GatewayOptions
+from realtime.ws.speech_context import ContextEnd, ContextText
 from tests import faults
 from tests.faults import inject_faults
 from tests.gateway_server import running_server

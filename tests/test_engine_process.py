@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engine import AudioChunk, EngineConfig, Finished
-from engine.engine_process import EngineSpec, ProcessEngine
+from engine.core.engine import EngineConfig
 from engine.errors import EmptyText, EngineFailed
+from engine.request import AudioChunk, Finished
+from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
 from realtime.client import VoxgateClient
 from realtime.gateway import Limits

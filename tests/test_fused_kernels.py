@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import DecoderLayersConfig
-from engine.fused_kernels import add_rms_norm, qk_norm_rope_store, silu_mul
-from engine.fused_sampling import fused_choose
+from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
+from engine.kernels.sampling import fused_choose
 from engine.model.layers import Attention, RMSNorm, RotaryEmbedding, apply_rope
 from engine.sampling import SamplerBatch, choose, draw_counter
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from realtime.protocol import ERROR_CODES
+from realtime.ws.protocol import ERROR_CODES
 from tests.server_process import ServerProcess, server_process
 
 MAX_MESSAGE_BYTES = 65536

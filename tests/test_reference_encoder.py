@@ -10,20 +10,18 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-
-import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
-
 from qwen_tts import Qwen3TTSTokenizer
 from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
 from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
 from engine.checkpoint import load_module
 from engine.config import parse_speech_tokenizer_config, read_json
 from engine.errors import AudioInputError, CheckpointError
 from engine.model.reference_encoder import ReferenceEncoder, load_reference_audio, resample
-from engine.model_configs import SPEECH_PREPROCESSOR, speech_tokenizer_config
+from engine.synthetic.configs import SPEECH_PREPROCESSOR, speech_tokenizer_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.tokenizer_files import SPECIAL_TOKENS, special_token_ids, write_tokenizer_files
+from engine.synthetic.tokenizer_files import SPECIAL_TOKENS, special_token_ids, write_tokenizer_files
 
 FRAMES = 8
 SAMPLES_PER_FRAME = 1920
@@ -35,7 +35,7 @@ def test_tokenizer_files_layout(tokenizer_dir: Path) -> None:
 
 
 def test_tokenizer_files_module_does_not_import_transformers() -> None:
-    code = "import sys, engine.tokenizer_files; assert 'transformers' not in sys.modules"
+    code = "import sys, engine.synthetic.tokenizer_files; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -56,7 +56,7 @@ def test_engine_tokenizer_matches_transformers(tokenizer_dir: Path) -> None:
     """Our runtime tokenizer (`tokenizers` alone, from the checkpoint files) gives transformers' ids."""
     import transformers
 
-    from engine.text import TextTokenizer, load_tokenizer
+    from engine.text.tokenizer import TextTokenizer, load_tokenizer
 
     ours = TextTokenizer(load_tokenizer(tokenizer_dir))
     theirs = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -118,8 +118,9 @@ def test_reference_generate(reference_models: dict, ref_audio: tuple, variant: s
 
 
 def test_reference_checkpoint_is_deterministic(tmp_path: Path, reference_checkpoints: dict) -> None:
-    from tests.reference import build_reference_checkpoint
     from safetensors.torch import load_file
+
+    from tests.reference import build_reference_checkpoint
 
     again = build_reference_checkpoint(tmp_path / "base", "base", seed=0)
     for name in ("model.safetensors", "speech_tokenizer/model.safetensors"):

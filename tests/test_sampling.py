@@ -10,8 +10,16 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.sampling import (SamplerBatch, SamplerParams, choose, gumbel_noise, process_talker_logits,
-                             talker_logits_mask, uniform_from_bits, warp)
+from engine.sampling import (
+    SamplerBatch,
+    SamplerParams,
+    choose,
+    gumbel_noise,
+    process_talker_logits,
+    talker_logits_mask,
+    uniform_from_bits,
+    warp,
+)
 
 EOS = 2150
 

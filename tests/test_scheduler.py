@@ -3,11 +3,12 @@ engine, where the policy changes who steps when, never what a request sounds lik
 import numpy as np
 import pytest
 
-import engine.engine as engine_module
-from engine.engine import AudioChunk, Engine, EngineConfig, SynthesisRequest
+import engine.core.engine as engine_module
+from engine.core.engine import Engine, EngineConfig
+from engine.core.scheduler import Scheduler
+from engine.core.simulator import Arrival, CostModel, poisson_workload, simulate, summarize
+from engine.request import AudioChunk, SynthesisRequest
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.simulator import Arrival, CostModel, poisson_workload, simulate, summarize
 from engine.tts import TTSModel, VoiceRequest
 
 

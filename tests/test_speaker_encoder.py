@@ -1,22 +1,19 @@
 """Our ECAPA-TDNN speaker encoder and mel front end against the reference qwen-tts implementation."""
 from __future__ import annotations
 
-
 import librosa
 import numpy as np
 import pytest
 import torch
-
-import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
-
 from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
 from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder, mel_spectrogram
 
+import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
 from engine.checkpoint import load_module
 from engine.config import SpeakerEncoderConfig
 from engine.errors import AudioInputError, CheckpointError
 from engine.model.speaker_encoder import SpeakerEncoder, slaney_mel_filterbank, speaker_mel
-from engine.model_configs import TINY_SPEAKER_ENCODER
+from engine.synthetic.configs import TINY_SPEAKER_ENCODER
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,10 +6,11 @@ import random
 import numpy as np
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.engine import AudioChunk, Engine, EngineConfig, Finished, SynthesisRequest
+from engine.core.engine import Engine, EngineConfig
 from engine.errors import EmptyText
+from engine.request import AudioChunk, Finished, SynthesisRequest
 from engine.sampling import SamplingParams
+from engine.serving.async_engine import AsyncEngine
 from engine.tts import TTSModel, VoiceRequest
 
 TEXT = "Hello there, it's 3.14 o'clock! 你好，世界。Fine."

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from engine.text import TextTokenizer, load_tokenizer
-from engine.text_stream import IncrementalTokenizer, TextFeed
+from engine.text.incremental import IncrementalTokenizer, TextFeed
+from engine.text.tokenizer import TextTokenizer, load_tokenizer
 
 TEXTS = [
     "Hello there, how are you today?",
@@ -78,7 +78,7 @@ LLM_OUTPUT = ("# Plan for today\n\n- **First**, read [the docs](https://docs.exa
 
 
 def test_cleanup_rules():
-    from engine.text_cleanup import clean_text
+    from engine.text.cleanup import clean_text
 
     assert clean_text(LLM_OUTPUT) == (
         "Plan for today\n\nFirst, read the docs \nThen visit example.com and relax.\nA quoted line.\n\n"
@@ -89,7 +89,7 @@ def test_cleanup_rules():
 
 @pytest.mark.parametrize("how", ["chars", "random"])
 def test_cleaned_feed_equals_cleaning_the_whole_text(tokenizer, how):
-    from engine.text_cleanup import clean_text
+    from engine.text.cleanup import clean_text
 
     rng = random.Random(how)
     for _ in range(10):

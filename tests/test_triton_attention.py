@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.attention import decode_attention
+from engine.core.attention import decode_attention
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (16, 8, 32)])

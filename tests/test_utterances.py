@@ -7,13 +7,14 @@ import random
 import numpy as np
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.engine import Engine, EngineConfig, SynthesisRequest
+from engine.core.engine import Engine, EngineConfig
 from engine.errors import EmptyText
+from engine.request import SynthesisRequest
 from engine.sampling import SamplingParams
-from engine.speech_context import ContextAudio, ContextEnd, ContextMarker, ContextText, SpeechContext
+from engine.serving.async_engine import AsyncEngine
 from engine.tts import TTSModel, VoiceRequest
-from engine.utterances import UtterancePlanner
+from realtime.ws.speech_context import ContextAudio, ContextEnd, ContextMarker, ContextText, SpeechContext
+from realtime.ws.utterances import UtterancePlanner
 
 LONG = "First sentence here. Second one is longer, with a clause! Is 3.14 a number? 最后一句。Tail"
 

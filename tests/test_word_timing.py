@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from realtime.word_timing import WordTimeline, nominal_duration_s
+from realtime.ws.word_timing import WordTimeline, nominal_duration_s
 
 
 def test_words_are_timed_once_complete_and_in_order():

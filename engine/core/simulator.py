@@ -17,7 +17,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.scheduler import FRAME_SECONDS, Scheduler
+from engine.core.scheduler import FRAME_SECONDS, Scheduler
 
 
 @dataclass(frozen=True)

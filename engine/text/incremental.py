@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import unicodedata
 
-from engine.text import ROLE_PREFIX, TEXT_SUFFIX, TextTokenizer
-from engine.text_cleanup import StreamingCleanup
+from engine.text.cleanup import StreamingCleanup
+from engine.text.tokenizer import ROLE_PREFIX, TEXT_SUFFIX, TextTokenizer
 
 HELD_PRE_TOKENS = 2
 

@@ -12,8 +12,8 @@ from dataclasses import fields
 
 import torch
 
-from engine.generate import BatchSampling
-from engine.runner import ModelRunner, StepBatch
+from engine.core.model_runner import ModelRunner, StepBatch
+from engine.reference import BatchSampling
 from engine.sampling import SamplerBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)

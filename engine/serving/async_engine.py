@@ -17,10 +17,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from engine.engine import Engine, Event, Finished, SynthesisRequest
+from engine.core.engine import Engine
 from engine.errors import EngineFailed, EngineFull
-from engine.requests import check_request
-from engine.step_loop import Command, StepLoop
+from engine.request import Event, Finished, SynthesisRequest, check_request
+from engine.serving.step_loop import Command, StepLoop
 from engine.tts import TTSModel
 
 STOP_TIMEOUT_S = 10.0  # a step that hangs this long is left behind (its thread is a daemon)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import decode_attention
 from engine.config import DecoderLayersConfig
+from engine.core.attention import decode_attention
 from engine.model.layers import Attend, gqa_attention
 
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.frame_path import TorchFramePath
-from engine.generate import BatchSampling
-from engine.kv_cache import CacheShape, SlotKVCache
+from engine.core.frame_path import TorchFramePath
+from engine.core.kv_cache import CacheShape, SlotKVCache
 from engine.model.talker import Talker
+from engine.reference import BatchSampling
 from engine.sampling import talker_logits_mask
 
 
@@ -40,7 +40,7 @@ class ModelRunner:
         self.suppressed = talker_logits_mask(cfg.vocab_size, cfg.codec_eos_token_id, device)
         self._true = torch.ones((), dtype=torch.bool, device=device)  # a device scalar: graph capture copies none
         if frame_path == "triton":  # imported here: Triton is only needed (and installed) where it runs
-            from engine.fused_frame_path import FusedFramePath
+            from engine.core.fused_frame_path import FusedFramePath
 
             self.frame = FusedFramePath(talker, self.cache, slots)
         else:

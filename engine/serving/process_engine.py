@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from engine.async_engine import FrontEnd
-from engine.engine import Engine, EngineConfig, Event, Finished
+from engine.core.engine import Engine, EngineConfig
 from engine.errors import EngineFailed, SynthesisFailed
-from engine.step_loop import Command, StepLoop
+from engine.request import Event, Finished
+from engine.serving.async_engine import FrontEnd
+from engine.serving.step_loop import Command, StepLoop
 from engine.tts import TTSModel
 
 STOP = "stop"  # the parent's last message to the child

@@ -12,7 +12,7 @@ from functools import partial
 from itertools import accumulate
 from typing import Any, Protocol
 
-from realtime.audio import AudioFormat, DEFAULT_RATES, UnsupportedFormat
+from realtime.audio import DEFAULT_RATES, AudioFormat, UnsupportedFormat
 
 PROTOCOL = "voxgate.v1"
 

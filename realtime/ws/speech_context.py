@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from engine.async_engine import FrontEnd, RequestStream
-from engine.engine import AudioChunk, Finished, SynthesisRequest
 from engine.errors import EmptyText, RequestError, SynthesisFailed, VoxgateError, request_failure
-from engine.requests import SEED_RANGE
-from engine.utterances import Utterance, UtterancePlanner
+from engine.request import SEED_RANGE, AudioChunk, Finished, SynthesisRequest
+from engine.serving.async_engine import FrontEnd, RequestStream
+from realtime.ws.utterances import Utterance, UtterancePlanner
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 
 from engine.errors import CheckpointError
-
-from engine.tokenizer_files import FILES as TOKENIZER_FILES, QWEN_SPLIT_PATTERN
+from engine.synthetic.tokenizer_files import FILES as TOKENIZER_FILES
+from engine.synthetic.tokenizer_files import QWEN_SPLIT_PATTERN
 
 
 def _special_tokens(config_path: Path) -> list[tuple[int, str]]:

@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from engine.engine import Engine, Event, Finished, SynthesisRequest
+from engine.core.engine import Engine
 from engine.errors import EngineFailed, RequestError, VoxgateError
+from engine.request import Event, Finished, SynthesisRequest
 
 IDLE_POLL_S = 0.5
 log = logging.getLogger("voxgate")

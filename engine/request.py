@@ -1,19 +1,66 @@
-"""What a synthesis request must be before the engine takes it: one check, used by `Engine.submit` and by both
-asyncio front ends at their own submit, so that an invalid request is refused at once wherever it comes from and
+"""A synthesis request, the events it produces, and what it must be before the engine takes it: one check, used by
+`Engine.submit` and by both asyncio front ends at their own submit, so that an invalid request is refused at once wherever it comes from and
 never reaches the step loop. Only cheap checks live here (no tokenizing, no model work); what only the model can tell
 (an over-long prompt, text that cleans up to nothing) fails the request later, with its own typed error."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.errors import EmptyText, RequestError
-from engine.prompt import TEXT_LAYOUTS
+import numpy as np
+
+from engine.errors import EmptyText, RequestError, VoxgateError
+from engine.prompt import TEXT_LAYOUTS, Voice
 from engine.sampling import SamplerParams, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine import SynthesisRequest
     from engine.tts import TTSModel
+
+
+@dataclass(frozen=True)
+class RunawayGuard:
+    """A length limit from the text length, so a model that never emits EOS stops by itself.
+
+    Real speech takes roughly 2-4 frames (80 ms each) per text token; the default allows 10 per token plus a
+    2-second floor, far above any normal reading but a bound on a runaway."""
+
+    frames_per_token: float = 10.0
+    min_frames: int = 25
+
+    def limit(self, text_tokens: int) -> int:
+        return max(self.min_frames, math.ceil(self.frames_per_token * text_tokens))
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    text: str
+    voice: Voice
+    language: str = "auto"
+    layout: str | None = None
+    sampling: SamplingParams | None = None
+    max_frames: int | None = None
+    text_complete: bool = True  # False: `text` is the first piece; more comes with append_text, then end_text
+    clean_text: bool = False  # LLM output: markdown and emoji are not read out (text_cleanup.py)
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    request_id: int
+    start_sample: int  # position of samples[0] in the request's audio
+    samples: np.ndarray  # float32 mono
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: int
+    reason: str  # "eos" | "length" | "error"
+    frames: int
+    error: VoxgateError | None = None  # set when reason is "error"
+
+
+Event = AudioChunk | Finished
+
 
 SEED_RANGE = 2**63  # seeds are 0..2**63-1: they go to the device as int64
 

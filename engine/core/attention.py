@@ -16,7 +16,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      lengths: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
     """q [B, Hq, 1, D]; caches [slots, Hkv, capacity, D]; lengths [B] -> [B, Hq, 1, D]."""
     if backend == "triton":
-        from engine.triton_attention import triton_decode_attention
+        from engine.kernels.attention import triton_decode_attention
 
         return triton_decode_attention(q, k_cache, v_cache, slots, lengths)
     keys, values = k_cache[slots], v_cache[slots]

@@ -17,14 +17,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from engine.speech_context import ContextAudio, ContextEnd, ContextMarker, ContextText, SpeechContext
 from realtime.audio import AudioFormat, EncodedFrame, StreamEncoder
-from realtime.metrics import Metrics
-from realtime.outbox import Outbox, Outgoing
 from realtime.errors import engine_error
-from realtime.protocol import (FLAG_DISCONTINUITY, FLAG_FIRST, FLAG_LAST, ProtocolError, error_event, event,
-                               pack_header)
-from realtime.word_timing import WordTimeline
+from realtime.metrics import Metrics
+from realtime.ws.outbox import Outbox, Outgoing
+from realtime.ws.protocol import (
+    FLAG_DISCONTINUITY,
+    FLAG_FIRST,
+    FLAG_LAST,
+    ProtocolError,
+    error_event,
+    event,
+    pack_header,
+)
+from realtime.ws.speech_context import ContextAudio, ContextEnd, ContextMarker, ContextText, SpeechContext
+from realtime.ws.word_timing import WordTimeline
 
 log = logging.getLogger("voxgate")
 MODEL_SAMPLE_RATE = 24000

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.fused_decoder import FusedLayers
-from engine.fused_sampling import fused_choose
-from engine.generate import BatchSampling
-from engine.kv_cache import SlotKVCache
+from engine.core.fused_layers import FusedLayers
+from engine.core.kv_cache import SlotKVCache
+from engine.kernels.sampling import fused_choose
 from engine.model.talker import Talker
+from engine.reference import BatchSampling
 from engine.sampling import process_talker_logits
 
 

@@ -20,59 +20,27 @@ from functools import partial
 from itertools import count
 from typing import TypeVar
 
-import numpy as np
 import torch
 
-from engine.attention import BACKENDS
-from engine.cuda_graphs import PaddedStep
-from engine.decode_stream import DecodeStream, PendingAudio
-from engine.decoder_pool import DecoderPool
+from engine.core.attention import BACKENDS
+from engine.core.codec_decoding import DecoderPool
+from engine.core.cuda_graphs import PaddedStep
+from engine.core.decode_overlap import DecodeStream, PendingAudio
+from engine.core.frame_path import FRAME_PATHS
+from engine.core.kv_cache import CacheShape
+from engine.core.model_runner import ModelRunner, StepBatch
+from engine.core.scheduler import Scheduler
 from engine.errors import EmptyText, EngineFailed, EngineFull, RequestError, TextTooLong, VoxgateError, request_failure
-from engine.frame_path import FRAME_PATHS
-from engine.generate import BatchSampling, RunawayGuard
-from engine.kv_cache import CacheShape
-from engine.prompt import Prompt, Voice
-from engine.requests import check_request, check_text
-from engine.runner import ModelRunner, StepBatch
+from engine.prompt import Prompt
+from engine.reference import BatchSampling
+from engine.request import AudioChunk, Event, Finished, RunawayGuard, SynthesisRequest, check_request, check_text
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.text_cleanup import clean_text
-from engine.text_stream import TextFeed
+from engine.text.cleanup import clean_text
+from engine.text.incremental import TextFeed
 from engine.tts import TTSModel
 
 DEVICE_FAULT = getattr(torch, "AcceleratorError", ())  # a CUDA error: the device, not a request, is at fault
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class SynthesisRequest:
-    text: str
-    voice: Voice
-    language: str = "auto"
-    layout: str | None = None
-    sampling: SamplingParams | None = None
-    max_frames: int | None = None
-    text_complete: bool = True  # False: `text` is the first piece; more comes with append_text, then end_text
-    clean_text: bool = False  # LLM output: markdown and emoji are not read out (text_cleanup.py)
-
-
-@dataclass(frozen=True)
-class AudioChunk:
-    request_id: int
-    start_sample: int  # position of samples[0] in the request's audio
-    samples: np.ndarray  # float32 mono
-
-
-@dataclass(frozen=True)
-class Finished:
-    request_id: int
-    reason: str  # "eos" | "length" | "error"
-    frames: int
-    error: VoxgateError | None = None  # set when reason is "error"
-
-
-Event = AudioChunk | Finished
-
 
 @dataclass
 class EngineConfig:

@@ -5,7 +5,7 @@ at its first audio. The engine admits (prefills) new requests before it steps, a
 stream with more than half a second of audio buffered: its first audio comes in the next step unless running
 streams are about to run dry. Streams far ahead of real time are the ones left out when the step is full.
 
-Policies are named, so that the engine, the simulator (`engine/simulator.py`) and the benchmarks choose them by
+Policies are named, so that the engine, the simulator (`engine/core/simulator.py`) and the benchmarks choose them by
 name; each orders the runnable streams and the step takes the first `max_step_batch`:
 - `deadline`: least audio buffered ahead of playout first; a new request ranks as if it had 0.5 s buffered, so
   under overload it waits for the running streams to have audio to spare instead of making them all run dry.

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.generate import BatchSampling, sample_frame
-from engine.kv_cache import SlotKVCache
+from engine.core.kv_cache import SlotKVCache
 from engine.model.talker import Talker
+from engine.reference import BatchSampling, sample_frame
 
 FRAME_PATHS = ("torch", "triton")
 

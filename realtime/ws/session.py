@@ -12,13 +12,25 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.errors import RequestError
-from realtime.context import ContextStream
-from realtime.gateway import Gateway
-from realtime.outbox import Outbox, Outgoing
-from realtime.protocol import (CLOSE_GOING_AWAY, CLOSE_IDLE, CLOSE_NORMAL, CLOSE_POLICY, PROTOCOL, ProtocolError,
-                               SessionConfig, audio_description, configure, error_event, event, parse_message)
 from realtime.audio import StreamEncoder
+from realtime.gateway import Gateway
 from realtime.voices import VoiceError
+from realtime.ws.contexts import ContextStream
+from realtime.ws.outbox import Outbox, Outgoing
+from realtime.ws.protocol import (
+    CLOSE_GOING_AWAY,
+    CLOSE_IDLE,
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    PROTOCOL,
+    ProtocolError,
+    SessionConfig,
+    audio_description,
+    configure,
+    error_event,
+    event,
+    parse_message,
+)
 
 log = logging.getLogger("voxgate")
 SHUTDOWN_GRACE_S = 5.0

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.fused_kernels import add_rms_norm, qk_norm_rope_store, silu_mul
+from engine.kernels.attention import varlen_attention
+from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.model.layers import DecoderLayer, DecoderStack
-from engine.triton_attention import varlen_attention
 
 
 def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -19,8 +19,8 @@ from engine.model.codec_decoder import CodecDecoder
 from engine.model.reference_encoder import ReferenceEncoder
 from engine.model.speaker_encoder import SpeakerEncoder
 from engine.model.talker import Talker
-from engine.model_configs import GENERATION_CONFIG, SPEECH_PREPROCESSOR, model_config, speech_tokenizer_config
-from engine.tokenizer_files import write_tokenizer_files
+from engine.synthetic.configs import GENERATION_CONFIG, SPEECH_PREPROCESSOR, model_config, speech_tokenizer_config
+from engine.synthetic.tokenizer_files import write_tokenizer_files
 
 DEFAULT_VARIANT = "custom_voice"
 DEFAULT_MODEL_VERSION = 1  # bump when the tiny default model's recipe changes, so caches are rebuilt

@@ -2,7 +2,6 @@
 the batched engine is checked against."""
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -11,21 +10,14 @@ import torch
 from engine.model.layers import KVCache
 from engine.model.talker import Talker
 from engine.prompt import Prompt
-from engine.sampling import SamplerBatch, SamplingParams, choose, draw_counter, process_talker_logits, talker_logits_mask
-
-
-@dataclass(frozen=True)
-class RunawayGuard:
-    """A length limit from the text length, so a model that never emits EOS stops by itself.
-
-    Real speech takes roughly 2-4 frames (80 ms each) per text token; the default allows 10 per token plus a
-    2-second floor, far above any normal reading but a bound on a runaway."""
-
-    frames_per_token: float = 10.0
-    min_frames: int = 25
-
-    def limit(self, text_tokens: int) -> int:
-        return max(self.min_frames, math.ceil(self.frames_per_token * text_tokens))
+from engine.sampling import (
+    SamplerBatch,
+    SamplingParams,
+    choose,
+    draw_counter,
+    process_talker_logits,
+    talker_logits_mask,
+)
 
 
 @dataclass
