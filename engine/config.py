@@ -15,8 +15,8 @@ from engine.errors import CheckpointError
 
 
 @dataclass(frozen=True)
-class DecoderLayersConfig:
-    """A stack of Qwen3 decoder layers (the talker and the code predictor share this shape)."""
+class TransformerConfig:
+    """A stack of Qwen3 transformer blocks (the talker and the code predictor share this shape)."""
 
     hidden_size: int
     intermediate_size: int
@@ -31,14 +31,14 @@ class DecoderLayersConfig:
 
 @dataclass(frozen=True)
 class CodePredictorConfig:
-    layers: DecoderLayersConfig
+    layers: TransformerConfig
     vocab_size: int
     num_code_groups: int
 
 
 @dataclass(frozen=True)
 class TalkerConfig:
-    layers: DecoderLayersConfig
+    layers: TransformerConfig
     vocab_size: int
     text_vocab_size: int
     text_hidden_size: int
@@ -132,8 +132,6 @@ class ModelConfig:
     speaker_encoder: SpeakerEncoderConfig | None
     tts_model_type: str
     tts_model_size: str
-    im_start_token_id: int
-    im_end_token_id: int
     tts_pad_token_id: int
     tts_bos_token_id: int
     tts_eos_token_id: int
@@ -167,10 +165,10 @@ def _require(data: dict[str, Any], key: str, where: str) -> Any:
     return data[key]
 
 
-def _layers(data: dict[str, Any], where: str) -> DecoderLayersConfig:
+def _layers(data: dict[str, Any], where: str) -> TransformerConfig:
     hidden = _require(data, "hidden_size", where)
     heads = _require(data, "num_attention_heads", where)
-    return DecoderLayersConfig(
+    return TransformerConfig(
         hidden_size=hidden,
         intermediate_size=_require(data, "intermediate_size", where),
         num_hidden_layers=_require(data, "num_hidden_layers", where),
@@ -236,8 +234,6 @@ def parse_model_config(data: dict[str, Any], generation: dict[str, Any] | None =
         speaker_encoder=speaker_encoder,
         tts_model_type=model_type,
         tts_model_size=str(data.get("tts_model_size") or ""),
-        im_start_token_id=int(data.get("im_start_token_id", 151644)),
-        im_end_token_id=int(data.get("im_end_token_id", 151645)),
         tts_pad_token_id=int(data.get("tts_pad_token_id", 151671)),
         tts_bos_token_id=int(data.get("tts_bos_token_id", 151672)),
         tts_eos_token_id=int(data.get("tts_eos_token_id", 151673)),

@@ -1,7 +1,8 @@
 """A synthesis request, the events it produces, and what it must be before the engine takes it: one check, used by
-`Engine.submit` and by both asyncio front ends at their own submit, so that an invalid request is refused at once wherever it comes from and
-never reaches the step loop. Only cheap checks live here (no tokenizing, no model work); what only the model can tell
-(an over-long prompt, text that cleans up to nothing) fails the request later, with its own typed error."""
+`Engine.submit` and by both asyncio front ends at their own submit, so that an invalid request is refused at once
+wherever it comes from and never reaches the step loop. Only cheap checks live here (no tokenizing, no model work);
+what only the model can tell (an over-long prompt, text that cleans up to nothing) fails the request later, with its
+own typed error."""
 from __future__ import annotations
 
 import math
@@ -41,7 +42,7 @@ class SynthesisRequest:
     sampling: SamplingParams | None = None
     max_frames: int | None = None
     text_complete: bool = True  # False: `text` is the first piece; more comes with append_text, then end_text
-    clean_text: bool = False  # LLM output: markdown and emoji are not read out (text_cleanup.py)
+    clean_text: bool = False  # LLM output: markdown and emoji are not read out (engine/text/cleanup.py)
 
 
 @dataclass(frozen=True)

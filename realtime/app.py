@@ -17,10 +17,12 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
+from realtime.audio.formats import MODEL_SAMPLE_RATE, pcm_s16le
+from realtime.auth import Auth, KeyRefused, OriginRefused
 from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway
-from realtime.speech_http import SpeechRequest, parse_speech_request, pcm_bytes, sse_events, start_speech, whole_file
+from realtime.speech_http import SpeechRequest, parse_speech_request, sse_events, start_speech, whole_file
 from realtime.ws.protocol import (
     CLOSE_OVERLOADED,
     CLOSE_POLICY,
@@ -46,6 +48,8 @@ WEB_DIR = _web_dir()
 
 
 def create_app(gateway: Gateway) -> Starlette:
+    auth = Auth(gateway.limits.api_keys, gateway.limits.allowed_origins)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         loading = asyncio.create_task(gateway.start())
@@ -68,13 +72,13 @@ def create_app(gateway: Gateway) -> Starlette:
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def voices(request: Request) -> Response:
-        refused = _refusal(request, gateway)
+        refused = _refusal(request, gateway, auth)
         if refused is not None:
             return refused
         return JSONResponse(gateway.voices.describe())
 
     async def speech(request: Request) -> Response:
-        refused = _refusal(request, gateway)
+        refused = _refusal(request, gateway, auth)
         if refused is not None:
             return refused
         try:
@@ -87,9 +91,9 @@ def create_app(gateway: Gateway) -> Starlette:
         gateway.metrics.http_requests.labels(status="200").inc()
         return response
 
-    async def stream(websocket: WebSocket) -> None:
+    async def tts_socket(websocket: WebSocket) -> None:
         await websocket.accept()
-        refusal = _socket_refusal(websocket, gateway)
+        refusal = _socket_refusal(websocket, gateway, auth)
         if refusal is not None:
             await _refuse(websocket, gateway, *refusal)
             return
@@ -99,7 +103,7 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def chat(websocket: WebSocket) -> None:
         await websocket.accept()
-        refusal = _access_refusal(websocket, gateway)
+        refusal = _access_refusal(websocket, auth)
         if refusal is not None:
             await _refuse(websocket, gateway, *refusal)
             return
@@ -111,7 +115,7 @@ def create_app(gateway: Gateway) -> Starlette:
     routes = [
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
-        WebSocketRoute("/v1/tts/stream", stream), WebSocketRoute("/v1/chat", chat),
+        WebSocketRoute("/v1/tts/stream", tts_socket), WebSocketRoute("/v1/chat", chat),
     ]
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
         routes += [Route("/", demo_page),
@@ -142,8 +146,8 @@ async def _speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarr
     first = await anext(chunks, None)
     if spoken.sse:
         return StreamingResponse(sse_events(_prepend(first, chunks)), media_type="text/event-stream")
-    return StreamingResponse(_pcm_stream(_prepend(first, chunks)), media_type="audio/pcm",
-                             headers={"X-Sample-Rate": "24000"})
+    return StreamingResponse(_pcm_body(_prepend(first, chunks)), media_type="audio/pcm",
+                             headers={"X-Sample-Rate": str(MODEL_SAMPLE_RATE)})
 
 
 async def _prepend(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
@@ -153,24 +157,21 @@ async def _prepend(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray]) 
         yield samples
 
 
-async def _pcm_stream(chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
-    """Raw PCM has no way to say that a stream failed after its status went out: it ends early (and the log says
+async def _pcm_body(chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
+    """Raw PCM has no way to say that a response failed after its status went out: it ends early (and the log says
     why)."""
     try:
         async for samples in chunks:
-            yield pcm_bytes(samples)
+            yield pcm_s16le(samples)
     except HTTPFailure as failure:
         log.warning("a streamed speech response ended early: %s", failure.code)
 
 
-def _bearer(headers) -> str | None:
-    value = headers.get("authorization", "")
-    return value[7:].strip() if value.lower().startswith("bearer ") else None
-
-
-def _refusal(request: Request, gateway: Gateway) -> Response | None:
+def _refusal(request: Request, gateway: Gateway, auth: Auth) -> Response | None:
     """401 without a valid key, 503 before the model is ready."""
-    if not gateway.authorized(_bearer(request.headers) or request.query_params.get("token")):
+    try:
+        auth.check(request, origin=False)
+    except KeyRefused:
         return JSONResponse({"error": {"code": "unauthorized", "message": "a valid API key is required"}}, 401)
     if gateway.readiness()[0] is False:
         reason = gateway.readiness()[1]
@@ -184,17 +185,19 @@ async def _refuse(websocket: WebSocket, gateway: Gateway, failure: ProtocolError
     await websocket.close(code)
 
 
-def _access_refusal(websocket: WebSocket, gateway: Gateway) -> tuple[ProtocolError, int] | None:
-    if not gateway.authorized(_bearer(websocket.headers) or websocket.query_params.get("token")):
+def _access_refusal(websocket: WebSocket, auth: Auth) -> tuple[ProtocolError, int] | None:
+    try:
+        auth.check(websocket)
+    except KeyRefused:
         return ProtocolError("unauthorized", "a valid API key is required (Authorization: Bearer KEY or "
                                              "?token=KEY)", fatal=True), CLOSE_UNAUTHORIZED
-    if not gateway.origin_allowed(websocket.headers.get("origin")):
+    except OriginRefused:
         return ProtocolError("unauthorized", "this origin is not allowed", fatal=True), CLOSE_POLICY
     return None
 
 
-def _socket_refusal(websocket: WebSocket, gateway: Gateway) -> tuple[ProtocolError, int] | None:
-    refusal = _access_refusal(websocket, gateway)
+def _socket_refusal(websocket: WebSocket, gateway: Gateway, auth: Auth) -> tuple[ProtocolError, int] | None:
+    refusal = _access_refusal(websocket, auth)
     if refusal is not None:
         return refusal
     is_ready, reason = gateway.readiness()

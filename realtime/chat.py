@@ -2,9 +2,10 @@
 
 The page keeps its voxgate.v1 session for audio and asks here for a reply: the server streams the request to the
 configured OpenAI-compatible LLM, sends each piece of the reply to the page (`chat.delta`) and, in the same moment,
-appends it to a context of the page's session, so the speech starts while the LLM is still writing. A turn ends when
-the reply is complete (`context.end`), on `chat.cancel` or a newer request, or when the session's context is
-cancelled (barge-in on the audio socket stops the LLM too)."""
+appends it to a context of the page's session (through the session's API, checked by the client's own rules), so
+the speech starts while the LLM is still writing. A turn ends when the reply is complete (`context.end`), on
+`chat.cancel` or a newer request, or when the session's context is cancelled (barge-in on the audio socket stops the
+LLM too)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from realtime.gateway import Gateway
 from realtime.llm import LLMConfig, LLMError, new_http_client, stream_chat
 from realtime.ws.protocol import ProtocolError, event, parse_message
-from realtime.ws.session import RateLimiter, Session
+from realtime.ws.rate_limit import RateLimiter
+from realtime.ws.session import Session
 
 log = logging.getLogger("voxgate")
 MAX_CHAT_MESSAGES = 200
@@ -121,8 +123,7 @@ class ChatSocket:
                     if not session.takes_text_for(context_id):
                         reason = "cancelled"  # cancelled on the audio socket (barge-in), or that socket closed
                         break
-                    if not session.inject(event("text.append", context_id=context_id, text=piece,
-                                                **({} if reply else request.voice_fields))):
+                    if not session.append_text(context_id, piece, None if reply else request.voice_fields):
                         reason = "error"  # refused (unknown voice, text too long): the error went to that socket
                         break
                     reply += piece
@@ -133,7 +134,7 @@ class ChatSocket:
             reason = "cancelled"
             if self._disconnected:  # nobody is listening: free the engine
                 if session.context_open(context_id):
-                    session.inject(event("context.cancel", context_id=context_id))
+                    session.cancel_context(context_id)
                 return
         except LLMError as failure:
             reason = "error"
@@ -144,7 +145,7 @@ class ChatSocket:
             log.exception("chat %s: internal error", request.id)
             await self._error(ProtocolError("internal", "internal server error"), request.id)
         if session.context_open(context_id):  # what the LLM wrote is spoken to its end
-            session.inject(event("context.end", context_id=context_id))
+            session.end_context(context_id)
         await self._send(event("chat.done", id=request.id, text=reply, reason=reason))
 
     async def _error(self, failure: ProtocolError, request_id: str | None = None) -> None:

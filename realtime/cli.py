@@ -150,25 +150,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """--api-key, $VOXGATE_API_KEYS (comma-separated) and --api-key-file (one a line), merged: the last two keep
-    keys off the command line, where `ps` shows them."""
-    keys = list(args.api_key) + os.environ.get("VOXGATE_API_KEYS", "").split(",")
-    if args.api_key_file is not None:
-        keys += _key_file(args.api_key_file)
-    return tuple(dict.fromkeys(key.strip() for key in keys if key.strip()))
+    """--api-key, $VOXGATE_API_KEYS and --api-key-file merged (realtime/auth.py)."""
+    from realtime.auth import KeyFileError, load_api_keys
 
-
-def _key_file(path: Path) -> list[str]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as failure:
-        raise VoxgateError(f"cannot read --api-key-file {path}: {failure.strerror or failure}") from None
-    except UnicodeDecodeError:
-        raise VoxgateError(f"--api-key-file {path} is not UTF-8 text") from None
-    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    if not keys:
-        raise VoxgateError(f"--api-key-file {path} holds no key")
-    return keys
+        return load_api_keys(args.api_key, args.api_key_file)
+    except KeyFileError as failure:
+        raise VoxgateError(str(failure)) from None
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> None:

@@ -33,7 +33,7 @@ _CONFIG_ERRORS = frozenset({"invalid_config", "unsupported_format"})
 _CLOSED = object()  # queued once the socket has closed
 
 
-class VoxgateError(Exception):
+class ServerError(Exception):
     """An `error` event the client cannot carry on from (e.g. a refused session.start)."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -41,7 +41,7 @@ class VoxgateError(Exception):
         self.code, self.message = code, message
 
 
-class VoxgateRefused(VoxgateError):
+class VoxgateRefused(ServerError):
     """The server refused the session: one fatal error, then the close (4001 unauthorized, 1013 overloaded)."""
 
     def __init__(self, code: str, message: str, close_code: int | None) -> None:
@@ -267,7 +267,7 @@ class VoxgateClient:
                 queue.put_nowait(_CLOSED)
             for waiter in self._waiters.values():
                 if not waiter.done():
-                    waiter.set_exception(VoxgateError("closed", f"the socket closed ({self.close_code})"))
+                    waiter.set_exception(ServerError("closed", f"the socket closed ({self.close_code})"))
 
     def _parse(self, data: str | bytes) -> AudioFrame | dict[str, Any]:
         if isinstance(data, bytes):
@@ -307,7 +307,7 @@ class VoxgateClient:
             waiter.set_result(message)
             return True
         if message.get("type") == "error" and message.get("code") not in _CONFIG_ERRORS:
-            waiter.set_exception(VoxgateError(message.get("code", ""), message.get("message", "")))
+            waiter.set_exception(ServerError(message.get("code", ""), message.get("message", "")))
         return False
 
 
@@ -325,7 +325,7 @@ async def _first_message(ws: ClientConnection) -> dict[str, Any]:
             await ws.recv()  # the close that follows a refusal
         await ws.wait_closed()
         raise VoxgateRefused(message.get("code", ""), message.get("message", ""), ws.close_code)
-    raise VoxgateError("invalid_message", f"expected session.started, got {message.get('type')!r}")
+    raise ServerError("invalid_message", f"expected session.started, got {message.get('type')!r}")
 
 
 async def _aiter(pieces: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:

@@ -7,7 +7,6 @@ gateway has failed for good: readiness and health turn false and `on_fatal` lets
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import time
@@ -107,7 +106,6 @@ class Gateway:
         self.metrics.engine_requests_active.set_function(lambda: self.engine.active if self.engine else 0)
         self.metrics.engine_queue_depth.set_function(
             lambda: self.engine.waiting if self.engine else 0)
-        self._loaded = asyncio.Event()
 
     def session(self, session_id: str):
         """The open voxgate.v1 session with this id, or None."""
@@ -135,8 +133,6 @@ class Gateway:
             self._spawn(self._watch())
         except Exception as failure:
             self._fatal(f"start-up failed: {type(failure).__name__}: {failure}")
-        finally:
-            self._loaded.set()
 
     def _load(self) -> tuple[TTSModel, VoiceCatalog]:
         from engine.synthetic.checkpoints import default_model_dir
@@ -187,13 +183,10 @@ class Gateway:
     async def _warm_up(self) -> None:
         request = self.template(self.voices.resolve(None, "a calm voice" if self.voices.variant == "voice_design"
                                                     else None), "auto", Sampling(seed=0))
-        stream = self.engine.submit(replace(request, text="Warm up.", text_complete=True, max_frames=4))
-        async for event in stream:
+        handle = self.engine.submit(replace(request, text="Warm up.", text_complete=True, max_frames=4))
+        async for event in handle:
             if isinstance(event, Finished) and event.reason == "error":
                 raise EngineFailed(f"warm-up synthesis failed: {event.error}")
-
-    async def wait_loaded(self) -> None:
-        await self._loaded.wait()
 
     def readiness(self) -> tuple[bool, str]:
         if self.state != "ready":
@@ -263,19 +256,9 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def authorized(self, key: str | None) -> bool:
-        """Compared in constant time against every key (no key configured: open)."""
-        if not self.limits.api_keys:
-            return True
-        given = (key or "").encode()
-        return any(hmac.compare_digest(given, k.encode()) for k in self.limits.api_keys) and bool(given)
-
-    def origin_allowed(self, origin: str | None) -> bool:
-        return not self.limits.allowed_origins or origin is None or origin in self.limits.allowed_origins
-
     def template(self, voice: Voice, language: str, sampling: Sampling) -> SynthesisRequest:
-        """A context's request without text; raises RequestError for an unknown language."""
-        return SynthesisRequest("", voice, language=self.tts.resolve_language(language), layout="streaming",
+        """A context's request without text; raises VoiceError for an unknown language."""
+        return SynthesisRequest("", voice, language=self.voices.resolve_language(language), layout="streaming",
                                 sampling=self._sampling(sampling), text_complete=False,
                                 clean_text=self.options.clean_text)
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.errors import RequestError
-from realtime.audio import HTTP_FORMATS, UnsupportedFormat, encode_file, mp3_available, to_int16
+from realtime.audio.files import encode_file, mp3_available
+from realtime.audio.formats import HTTP_FORMATS, UnsupportedFormat, pcm_s16le
 from realtime.errors import HTTPFailure, engine_http_failure
 from realtime.gateway import Gateway
 from realtime.voices import VoiceError
-from realtime.ws.protocol import MAX_INSTRUCTIONS_CHARS, MAX_NAME_CHARS, MAX_SEED, ProtocolError, Sampling, load_json
+from realtime.ws.protocol import FIELD_LIMITS, MAX_NAME_CHARS, MAX_SEED, ProtocolError, Sampling, check_limit, load_json
 from realtime.ws.speech_context import ContextAudio, ContextEnd
 
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -32,9 +32,10 @@ class SpeechRequest:
     seed: int | None
 
 
-_STRING_FIELDS = {"model": MAX_NAME_CHARS, "input": None, "voice": MAX_NAME_CHARS,
-                  "instructions": MAX_INSTRUCTIONS_CHARS, "response_format": MAX_NAME_CHARS,
-                  "stream_format": MAX_NAME_CHARS, "language": MAX_NAME_CHARS}
+STRING_FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "language")
+# the socket's limits (voice, language, instructions), and this endpoint's own names; `input` has max_text_chars
+FIELD_LIMITS_HTTP = {**FIELD_LIMITS, "model": MAX_NAME_CHARS, "response_format": MAX_NAME_CHARS,
+                     "stream_format": MAX_NAME_CHARS}
 
 
 def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
@@ -46,12 +47,7 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
         raise HTTPFailure.of(failure) from None
     if not isinstance(body, dict):
         raise _bad("the body must be a JSON object")
-    for name, limit in _STRING_FIELDS.items():
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise _bad(f"{name} must be a string")
-        if limit is not None and len(body.get(name) or "") > limit:
-            raise HTTPFailure(400, "text_too_long" if name == "instructions" else "invalid_message",
-                              f"{name} takes at most {limit} characters")
+    _check_strings(body)
     text = body.get("input")
     if not text or not text.strip():
         raise HTTPFailure(400, "empty_text" if isinstance(text, str) else "invalid_message",
@@ -80,6 +76,16 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
                          response_format, stream_format == "sse", seed)
 
 
+def _check_strings(body: dict) -> None:
+    for name in STRING_FIELDS:
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _bad(f"{name} must be a string")
+        try:
+            check_limit(name, body.get(name) or "", limits=FIELD_LIMITS_HTTP)
+        except ProtocolError as failure:
+            raise HTTPFailure.of(failure) from None
+
+
 def _bad(message: str) -> HTTPFailure:
     return HTTPFailure(400, "invalid_message", message)
 
@@ -93,15 +99,13 @@ def _check_speed(speed: object) -> None:
 
 
 def start_speech(request: SpeechRequest, gateway: Gateway) -> AsyncIterator[np.ndarray]:
-    """The request's audio chunks (float32, 24 kHz) as they are made; raises HTTPFailure for a bad voice or
+    """The request's audio chunks (float32, the model's rate) as they are made; raises HTTPFailure for a bad voice or
     language at once."""
     try:
         voice = gateway.voices.resolve(request.voice, request.instructions)
         template = gateway.template(voice, request.language, Sampling(seed=request.seed))
-    except VoiceError as failure:
+    except VoiceError as failure:  # an unknown voice or language
         raise HTTPFailure(400, failure.code, str(failure)) from None
-    except RequestError as failure:
-        raise HTTPFailure(400, "invalid_config", str(failure)) from None
     speech = gateway.speech_context(template, "none", 0)
     speech.append(request.text)
     speech.end()
@@ -128,15 +132,11 @@ async def whole_file(chunks: AsyncIterator[np.ndarray], response_format: str) ->
         raise HTTPFailure(400, "unsupported_format", str(failure)) from None
 
 
-def pcm_bytes(samples: np.ndarray) -> bytes:
-    return to_int16(samples).astype("<i2").tobytes()
-
-
 async def sse_events(chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
     """OpenAI's speech SSE: `speech.audio.delta` with base64 PCM, then `speech.audio.done`."""
     try:
         async for samples in chunks:
-            delta = {"type": "speech.audio.delta", "audio": base64.b64encode(pcm_bytes(samples)).decode("ascii")}
+            delta = {"type": "speech.audio.delta", "audio": base64.b64encode(pcm_s16le(samples)).decode("ascii")}
             yield f"data: {json.dumps(delta)}\n\n".encode()
         yield f"data: {json.dumps({'type': 'speech.audio.done'})}\n\n".encode()
     except HTTPFailure as failure:

@@ -1,5 +1,6 @@
 """The voices a served model offers: CustomVoice speakers, the VoiceDesign voice (described by `instructions`), and
-the Base model's clone voices given at start-up. Resolves a client's voice id into the engine's `Voice`."""
+the Base model's clone voices given at start-up. Resolves a client's voice id into the engine's `Voice`, and
+checks languages against the model."""
 from __future__ import annotations
 
 import sys
@@ -80,10 +81,19 @@ class VoiceCatalog:
             raise ProtocolError("invalid_config", self._unknown(voice_id))
 
     def check_language(self, language: str) -> None:
+        """A session's default language must exist (`invalid_config`, as for a voice)."""
         try:
-            self.tts.resolve_language(language)
+            self.resolve_language(language)
+        except VoiceError as failure:
+            raise ProtocolError(failure.code, str(failure)) from None
+
+    def resolve_language(self, language: str | None) -> str:
+        """The model's name for `language` (a name, an ISO code or auto): the gateway's one language check, for
+        sessions, contexts and the speech endpoint alike; raises VoiceError (`invalid_config`)."""
+        try:
+            return self.tts.resolve_language(language)
         except RequestError as failure:
-            raise ProtocolError("invalid_config", str(failure)) from None
+            raise VoiceError("invalid_config", str(failure)) from None
 
     def _key(self, voice_id: str) -> str:
         return voice_id.lower() if self.variant == "custom_voice" else voice_id

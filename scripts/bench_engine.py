@@ -82,7 +82,7 @@ class Bench:
             self._engine = Engine(self.tts, EngineConfig(
                 max_batch=self.args.max_batch, capacity=self.args.capacity,
                 step_mode=self.args.step_mode or ("graphs" if gpu else "padded"),
-                attention_backend="triton" if gpu else "sdpa", frame_path=self.args.frame_path or
+                attention_backend="triton" if gpu else None, frame_path=self.args.frame_path or
                 ("triton" if gpu else "torch"), max_waiting=100000, first_chunk_frames=1,
                 chunk_frames=self.args.chunk_frames, overlap_decoding=self.args.overlap == "on"))
             print(json.dumps({"engine_ready_s": round(time.perf_counter() - started, 1)}), flush=True)
@@ -104,7 +104,7 @@ class Bench:
         engine = self.engine()
         requests = [self.request(40, seed, greedy=True) for seed in range(6)]
         codes: dict[int, list] = {}
-        original = engine._step
+        original = engine.runner.run
 
         def recording(batch):
             out = original(batch)
@@ -112,13 +112,13 @@ class Bench:
                 codes.setdefault(slot, []).append(frame)
             return out
 
-        engine._step = recording
+        engine.runner.run = recording
         ids = {engine.submit(r): i for i, r in enumerate(requests)}
         slot_of, audio = {}, {}
         while not engine.idle():
             engine._admit()
-            for stream in engine.running.values():
-                slot_of[ids[stream.request_id]] = stream.slot
+            for seq in engine.running.values():
+                slot_of[ids[seq.request_id]] = seq.slot
             for event in engine.step():
                 if isinstance(event, AudioChunk):
                     audio.setdefault(ids[event.request_id], []).append(event.samples)
@@ -168,16 +168,16 @@ class Bench:
             engine._admit()
             for _ in range(100):  # grow the contexts a little
                 engine.step()
-            streams = list(engine.running.values())
+            seqs = list(engine.running.values())
             times = []
             for _ in range(30):
                 synchronize()
                 start = time.perf_counter()
-                engine._step(engine._batch(streams)).cpu()
+                engine.runner.run(engine.runner.batch(seqs)).cpu()
                 times.append(time.perf_counter() - start)
-                for s in streams:
+                for s in seqs:
                     s.frames += 1
-            for s in streams:
+            for s in seqs:
                 engine.cancel(s.request_id)
             out[batch] = dict(frame_step_ms_p50=percentile(times, 50) * 1e3,
                               x_real_time_per_stream=FRAME_S / percentile(times, 50))
@@ -316,9 +316,9 @@ class Bench:
 
     @staticmethod
     def _note_holds(engine: Engine, by_request: dict, now: float) -> None:
-        for stream in engine.running.values():
-            context = by_request[stream.request_id][1]
-            if stream.text_id() is None and stream.frames < stream.max_frames:
+        for seq in engine.running.values():
+            context = by_request[seq.request_id][1]
+            if seq.text_id() is None and seq.frames < seq.max_frames:
                 context["held_since"] = context["held_since"] if context["held_since"] is not None else now
             elif context["held_since"] is not None:
                 context["holds"].append(now - context["held_since"])

@@ -40,10 +40,10 @@ def running_engine(tts: TTSModel, batch: int, frame_path: str) -> Engine:
 
 
 def kernel_table(engine: Engine, steps: int) -> dict:
-    batch = engine._batch(list(engine.running.values()))
+    batch = engine.runner.batch(list(engine.running.values()))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            engine.core.model_runner.step(batch)
+            engine.runner.step(batch)
         torch.cuda.synchronize()
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
@@ -58,12 +58,12 @@ def kernel_table(engine: Engine, steps: int) -> dict:
 
 
 def graph_time(engine: Engine, repeats: int = 50) -> float:
-    batch = engine._batch(list(engine.running.values()))
-    engine._step(batch)
+    batch = engine.runner.batch(list(engine.running.values()))
+    engine.runner.run(batch)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
-        engine._step(batch)
+        engine.runner.run(batch)
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats * 1e3
 

@@ -6,9 +6,13 @@ scheduler. Prints one markdown table row per (text mode, rate, policy).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from engine.core.scheduler import Scheduler
-from engine.core.simulator import CostModel, poisson_workload, simulate, summarize
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.core.scheduler import Scheduler  # noqa: E402
+from engine.core.simulator import CostModel, poisson_workload, simulate, summarize  # noqa: E402
 
 
 def main() -> None:
@@ -19,17 +23,17 @@ def main() -> None:
     parser.add_argument("--max-step-batch", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    setups = [("fcfs", None, "continuous batching: every stream every step"),
+    setups = [("fcfs", None, "continuous batching: every request every step"),
               ("fcfs", args.max_step_batch, f"fcfs, at most {args.max_step_batch} per step"),
               ("deadline", args.max_step_batch, f"deadline, at most {args.max_step_batch} per step")]
-    print("| text | rate | scheduling | streams | TTFA p50 / p95 / p99 | never underrun |")
+    print("| text | rate | scheduling | requests | TTFA p50 / p95 / p99 | never underrun |")
     print("|---|---|---|---|---|---|")
     for streaming in (False, True):
         for rate in args.rates:
             arrivals = poisson_workload(rate, args.duration, args.seed, streaming_text=streaming)
             for policy, limit, label in setups:
-                result = summarize(simulate(arrivals, Scheduler(policy, limit), args.slots, CostModel()))
-                print(f"| {'LLM-streamed' if streaming else 'whole'} | {rate:g}/s | {label} | {result['streams']} | "
+                result = summarize(simulate(arrivals, Scheduler(args.slots, policy, limit), CostModel()))
+                print(f"| {'LLM-streamed' if streaming else 'whole'} | {rate:g}/s | {label} | {result['requests']} | "
                       f"{result['ttfa_ms_p50']:.0f} / {result['ttfa_ms_p95']:.0f} / {result['ttfa_ms_p99']:.0f} ms | "
                       f"{result['never_underrun']:.1%} |")
 

@@ -28,7 +28,7 @@ from websockets.exceptions import ConnectionClosed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from realtime.client import AudioFrame, VoxgateClient, VoxgateError  # noqa: E402
+from realtime.client import AudioFrame, ServerError, VoxgateClient  # noqa: E402
 
 log = logging.getLogger("twilio_bridge")
 TextSource = Callable[[], AsyncIterator[str]]  # called once per call; yields the text to speak, piece by piece
@@ -122,7 +122,7 @@ class TwilioBridge:
                     del self.calls[stream_sid]
         except ConnectionClosed:
             pass
-        except VoxgateError as failure:  # refused: the call stays silent
+        except ServerError as failure:  # refused: the call stays silent
             log.error("voxgate refused the session: %s", failure)
 
     async def serve_forever(self, host: str, port: int) -> None:

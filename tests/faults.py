@@ -37,9 +37,10 @@ def inject_faults(engine: Engine) -> None:
     tts = engine.tts = copy.copy(engine.tts)
     tts.tokenizer = TextTokenizer(_Tokenizer(tts.tokenizer.tokenizer))
     tts.prompt_from_ids = _checked(tts.prompt_from_ids, lambda ids, *_: _raise_if(PROMPT, _decode(tts, ids)))
-    engine.core.model_runner.prefill = _checked(engine.core.model_runner.prefill, lambda slots, _: _raise_for(engine, PREFILL, slots))
-    engine.decoders.decode = _checked(engine.decoders.decode, lambda slots, _: _raise_for(engine, DECODE, slots))
-    engine._step = _checked(engine._step, lambda batch: _step_faults(engine, batch.slots.tolist()))
+    runner, decoders = engine.runner, engine.decoding.decoders
+    runner.prefill = _checked(runner.prefill, lambda seqs: _raise_for(engine, PREFILL, [s.slot for s in seqs]))
+    decoders.decode = _checked(decoders.decode, lambda slots, _: _raise_for(engine, DECODE, slots))
+    runner.run = _checked(runner.run, lambda batch: _step_faults(engine, batch.slots.tolist()))
 
 
 def _checked(function: Callable, check: Callable) -> Callable:
@@ -51,7 +52,7 @@ def _checked(function: Callable, check: Callable) -> Callable:
 
 
 def _step_faults(engine: Engine, slots: list[int]) -> None:
-    if any(STEPS_BROKEN in _text(stream) for stream in engine.running.values()):
+    if any(STEPS_BROKEN in _text(seq) for seq in engine.running.values()):
         raise InjectedFault("every step fails")
     _raise_for(engine, STEP, slots)
     if _marked(engine, DEVICE, slots):
@@ -66,11 +67,11 @@ def _raise_for(engine: Engine, marker: str, slots: list[int]) -> None:
 
 
 def _marked(engine: Engine, marker: str, slots: list[int]) -> bool:
-    return any(stream.slot in slots and marker in _text(stream) for stream in engine.running.values())
+    return any(seq.slot in slots and marker in _text(seq) for seq in engine.running.values())
 
 
-def _text(stream) -> str:
-    return stream.feed.text if stream.feed is not None else stream.request.text
+def _text(seq) -> str:
+    return seq.feed.text if seq.feed is not None else seq.request.text
 
 
 def _decode(tts, ids: list[int]) -> str:

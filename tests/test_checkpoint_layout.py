@@ -2,6 +2,11 @@
 real 0.6B / 1.7B sizes cost no memory), and the tiny random checkpoints we write load back."""
 import pytest
 import torch
+
+from tests.reference import qwen_tts  # noqa: F401  (imports the reference with its torchaudio shim)
+
+# isort: split
+
 from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSConfig
 from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSForConditionalGeneration
 from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
@@ -9,7 +14,6 @@ from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TT
 
 from engine.synthetic.checkpoints import tensor_shapes
 from engine.synthetic.configs import SIZES, VARIANTS, model_config, speech_tokenizer_config
-from tests.reference import qwen_tts  # noqa: F401  (imports the reference with its torchaudio shim)
 
 
 def reference_shapes(size: str, variant: str) -> dict[str, dict[str, tuple[int, ...]]]:

@@ -101,8 +101,8 @@ def test_codes_match_frame_for_frame(tts):
     request = requests(tts, True, frames=[12])[0]
     engine = Engine(tts, EngineConfig(max_batch=2, capacity=128))
     frames = []
-    original = engine._step
-    engine._step = lambda batch: frames.append(original(batch)) or frames[-1]
+    original = engine.runner.run
+    engine.runner.run = lambda batch: frames.append(original(batch)) or frames[-1]
     other = requests(tts, True, frames=[30, 30])[1]
     run(engine, {0: [other], 2: [request]})
     expected = reference(tts, request).codes
@@ -114,8 +114,9 @@ def test_chunks_split_into_graphed_lengths_give_the_same_audio(tts):
     """A due chunk whose length has no decoder graph is decoded as pieces that have one (here 3 = 2 + 1)."""
     reqs = requests(tts, False, frames=[10, 8])
     engine = Engine(tts, EngineConfig(max_batch=2, capacity=128, chunk_frames=3))
-    engine.decoders.graphed_lengths = (2, 1)
-    assert engine.decoders.pieces(3) == [2, 1] and engine.decoders.pieces(2) == [2]
+    decoders = engine.decoding.decoders
+    decoders.graphed_lengths = (2, 1)
+    assert decoders.pieces(3) == [2, 1] and decoders.pieces(2) == [2]
     results = run(engine, {0: reqs[:1], 1: reqs[1:]})
     for i, request in enumerate(reqs):
         np.testing.assert_allclose(results[i][0], reference(tts, request).audio, atol=1e-5, rtol=0)
@@ -146,6 +147,12 @@ def test_prompt_longer_than_the_context_is_refused(tts):
     engine = Engine(tts, EngineConfig(max_batch=1, capacity=8))
     with pytest.raises(TextTooLong, match="more than the engine.s context of 8"):
         engine.submit(requests(tts, True, frames=[3, 3])[1])
+
+
+def test_attention_the_frame_path_would_ignore_is_refused(tts):
+    """The triton frame path attends with its own kernel: naming another attention is an error, not a no-op."""
+    with pytest.raises(ValueError, match="would be ignored"):
+        Engine(tts, EngineConfig(max_batch=1, capacity=8, frame_path="triton", attention_backend="sdpa"))
 
 
 def test_kv_budget_sets_the_number_of_slots(tts):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import DecoderLayersConfig
+from engine.config import TransformerConfig
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
 from engine.model.layers import Attention, RMSNorm, RotaryEmbedding, apply_rope
@@ -39,7 +39,7 @@ def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qk_norm_rope_store_matches_the_attention_module(dtype):
-    cfg = DecoderLayersConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+    cfg = TransformerConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                               attention_bias=False)
     generator = torch.Generator().manual_seed(2)

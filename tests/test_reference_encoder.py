@@ -10,13 +10,17 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+
+import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
+
+# isort: split
+
 from qwen_tts import Qwen3TTSTokenizer
 from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
 from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
 from engine.checkpoint import load_module
 from engine.config import parse_speech_tokenizer_config, read_json
 from engine.errors import AudioInputError, CheckpointError

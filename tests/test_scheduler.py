@@ -3,7 +3,6 @@ engine, where the policy changes who steps when, never what a request sounds lik
 import numpy as np
 import pytest
 
-import engine.core.engine as engine_module
 from engine.core.engine import Engine, EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.core.simulator import Arrival, CostModel, poisson_workload, simulate, summarize
@@ -14,34 +13,33 @@ from engine.tts import TTSModel, VoiceRequest
 
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
-        Scheduler("lifo")
+        Scheduler(1, "lifo")
 
 
 def test_overload_deadline_keeps_streams_smooth_where_continuous_batching_fails():
     arrivals = poisson_workload(80, 20, seed=3)
-    everyone = summarize(simulate(arrivals, Scheduler("fcfs", None), slots=512))
-    deadline = summarize(simulate(arrivals, Scheduler("deadline", 256), slots=512))
+    everyone = summarize(simulate(arrivals, Scheduler(512, "fcfs", None)))
+    deadline = summarize(simulate(arrivals, Scheduler(512, "deadline", 256)))
     assert everyone["never_underrun"] < 0.5 < 0.99 < deadline["never_underrun"]
 
 
 def test_new_requests_first_keeps_time_to_first_audio_low():
     """Near the step limit's capacity, fcfs makes newcomers wait behind streams that are far ahead."""
     arrivals = poisson_workload(50, 20, seed=4)
-    fcfs = summarize(simulate(arrivals, Scheduler("fcfs", 128), slots=512))
-    deadline = summarize(simulate(arrivals, Scheduler("deadline", 128), slots=512))
+    fcfs = summarize(simulate(arrivals, Scheduler(512, "fcfs", 128)))
+    deadline = summarize(simulate(arrivals, Scheduler(512, "deadline", 128)))
     assert deadline["ttfa_ms_p95"] < 100 < 300 < fcfs["ttfa_ms_p95"]
     assert deadline["never_underrun"] == fcfs["never_underrun"] == 1.0
 
 
-def test_simulated_stream_holds_until_its_text_arrives():
+def test_simulated_request_holds_until_its_text_arrives():
     """Frame k reads text token k + 1 (the prefill took token 0): with 3 tokens at t=0 and the rest at t=1 s, the
-    stream makes 2 frames, waits, then finishes after 1 s."""
+    request makes 2 frames, waits, then finishes after 1 s."""
     arrival = Arrival(0.0, 10, text_times=(0.0, 0.0, 0.0, 1.0, 1.0))
-    (stream,) = simulate([arrival], Scheduler(), slots=1, cost=CostModel(step_ms=10, per_stream_ms=0,
-                                                                           decode_per_frame_ms=0, prefill_ms=0,
-                                                                           prefill_per_request_ms=0))
-    assert stream.delivered[:2] == pytest.approx([0.01, 0.02])
-    assert stream.delivered[2] == pytest.approx(1.01) and len(stream.delivered) == 10
+    (request,) = simulate([arrival], Scheduler(1), cost=CostModel(step_ms=10, per_request_ms=0, decode_per_frame_ms=0,
+                                                                  prefill_ms=0, prefill_per_request_ms=0))
+    assert request.delivered[:2] == pytest.approx([0.01, 0.02])
+    assert request.delivered[2] == pytest.approx(1.01) and len(request.delivered) == 10
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +48,8 @@ def tts(tiny_checkpoints) -> TTSModel:
 
 
 class StepClock:
-    """The engine's clock, moved on by a fixed 10 ms at each reading: a fast device, whatever this CPU's speed (the
-    deadline policy compares audio made with time passed)."""
+    """The engine's scheduler clock, moved on by a fixed 10 ms at each reading: a fast device, whatever this CPU's
+    speed (the deadline policy compares audio made with time passed)."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -61,10 +59,10 @@ class StepClock:
         return self.now
 
 
-def test_step_limit_order_and_the_audio_it_does_not_change(tts, monkeypatch):
-    """One stream per step: under fcfs the newcomer waits for the first request to finish; under deadline it starts
+def test_step_limit_order_and_the_audio_it_does_not_change(tts):
+    """One request per step: under fcfs the newcomer waits for the first request to finish; under deadline it starts
     once the first has half a second of audio to spare. Either way each request gets its single-request audio."""
-    monkeypatch.setattr(engine_module, "time", StepClock())
+    clock = StepClock()
     voice = tts.voice(VoiceRequest(speaker="ryan"))
 
     def request(text: str, seed: int, frames: int) -> SynthesisRequest:
@@ -74,6 +72,7 @@ def test_step_limit_order_and_the_audio_it_does_not_change(tts, monkeypatch):
     first, late = request("The first request, a longer one.", 1, 60), request("A late one.", 2, 8)
     for policy in ("fcfs", "deadline"):
         engine = Engine(tts, EngineConfig(max_batch=2, capacity=128, scheduling=policy, max_step_batch=1))
+        engine.scheduler.clock = clock.monotonic  # where the engine reads time: deadlines and first audio
         ids = [engine.submit(first)]
         audio: dict[int, list] = {}
         first_frames_when_late_started = None
@@ -83,10 +82,10 @@ def test_step_limit_order_and_the_audio_it_does_not_change(tts, monkeypatch):
             for event in engine.step():
                 if isinstance(event, AudioChunk):
                     audio.setdefault(event.request_id, []).append(event.samples)
-            late_stream = engine.running.get(ids[-1]) if len(ids) == 2 else None
-            if late_stream is not None and late_stream.frames and first_frames_when_late_started is None:
-                first_stream = engine.running.get(ids[0])
-                first_frames_when_late_started = first_stream.frames if first_stream else first.max_frames
+            late_seq = engine.running.get(ids[-1]) if len(ids) == 2 else None
+            if late_seq is not None and late_seq.frames and first_frames_when_late_started is None:
+                first_seq = engine.running.get(ids[0])
+                first_frames_when_late_started = first_seq.frames if first_seq else first.max_frames
         if policy == "fcfs":
             assert first_frames_when_late_started == first.max_frames
         else:

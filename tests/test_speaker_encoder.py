@@ -5,10 +5,14 @@ import librosa
 import numpy as np
 import pytest
 import torch
+
+import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
+
+# isort: split
+
 from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
 from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder, mel_spectrogram
 
-import tests.reference  # noqa: F401  (the reference package, importable through its torchaudio shim)
 from engine.checkpoint import load_module
 from engine.config import SpeakerEncoderConfig
 from engine.errors import AudioInputError, CheckpointError

@@ -1,0 +1,1 @@
+"""The engine core: the step loop over the scheduler, the model runner and audio decoding, on slot KV caches."""

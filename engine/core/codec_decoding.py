@@ -1,7 +1,7 @@
-"""Streaming codec-decoder states for every slot, decoded in batches.
+"""Per-slot streaming codec-decoder states, decoded in batches.
 
 Each slot keeps its own exact streaming state (sliding-window K/V, conv histories, position); a decode call gathers
-the states of the streams it serves, runs them as one batch and scatters them back, so streams that joined at
+the states of the requests it serves, runs them as one batch and scatters them back, so requests that joined at
 different times share one decoder pass and each still hears exactly its offline decode.
 
 With `capture=True` (CUDA), the gather-decode-scatter of each (batch bucket, chunk length) is one CUDA graph, so a
@@ -70,7 +70,7 @@ class DecoderPool:
 
     @torch.inference_mode()
     def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, n, 16] (host) for the streams in `slots` -> waveform [B, n * samples_per_frame] (device).
+        """codes [B, n, 16] (host) for the requests in `slots` -> waveform [B, n * samples_per_frame] (device).
 
         The inputs go up from pinned memory, so a call queued on a side stream never waits for the host."""
         rows, frames = codes.shape[:2]

@@ -9,12 +9,16 @@ the same padded batches run eagerly: that is how the padding is tested on the CP
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.model_runner import ModelRunner, StepBatch
+from engine.core.step_batch import StepBatch
 from engine.reference import BatchSampling
 from engine.sampling import SamplerBatch
+
+if TYPE_CHECKING:
+    from engine.core.model_runner import ModelRunner
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

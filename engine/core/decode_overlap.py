@@ -1,4 +1,4 @@
-"""Codec decoding beside the frame step.
+"""Codec decoding beside the frame step: the CUDA stream the decodes run on, and their audio's way to the host.
 
 On a GPU the decoder's chunks are queued on their own (higher-priority) CUDA stream right after a step's codes are
 known, and the engine launches the next frame step before it waits for them: the decoder, the largest GPU consumer
@@ -32,20 +32,20 @@ class PendingAudio:
         return self.audio.numpy()
 
 
-class DecodeStream:
-    def __init__(self, device: torch.device, overlap: bool) -> None:
-        self.overlap = overlap
-        self.cuda = torch.cuda.Stream(device, priority=-1) if overlap and device.type == "cuda" else None
+class DecodeOverlap:
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.enabled = enabled
+        self.stream = torch.cuda.Stream(device, priority=-1) if enabled and device.type == "cuda" else None
 
     def context(self):
         """Every decoder-state operation (reset, priming, decode) runs in here, so they stay in order."""
-        return torch.cuda.stream(self.cuda) if self.cuda is not None else nullcontext()
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     def to_host(self, owners: list[Any], audio: torch.Tensor) -> PendingAudio:
         """Start the copy of decoded audio to the host (call inside `context()`)."""
-        if self.cuda is None:
+        if self.stream is None:
             return PendingAudio(owners, audio.float().cpu(), None)
         host = audio.float().to("cpu", non_blocking=True)  # a pinned destination: the copy is asynchronous
         ready = torch.cuda.Event()
-        ready.record(self.cuda)
+        ready.record(self.stream)
         return PendingAudio(owners, host, ready)

@@ -1,5 +1,5 @@
 """The engine's fast frame path: the arithmetic of `frame_path.TorchFramePath` with merged projections and Triton
-kernels (`fused_decoder`, `fused_sampling`): ~1,170 launches per frame instead of ~6,500, which is what a graph
+kernels (`fused_layers`, `kernels/sampling`): ~1,170 launches per frame instead of ~6,500, which is what a graph
 replay costs on the GPU. Prefill is one varlen pass over the prompts' tokens, with no padding.
 """
 from __future__ import annotations

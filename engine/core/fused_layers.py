@@ -1,6 +1,7 @@
-"""A DecoderStack's forward for the engine: merged projections and fused Triton kernels over a slot cache.
+"""A TransformerStack's forward for the engine (the talker's and the code predictor's transformer blocks): merged
+projections and fused Triton kernels over a slot cache.
 
-Per layer: RMSNorm (fused with the previous residual add), one QKV matmul, one kernel for q/k norm + RoPE + the
+Per block: RMSNorm (fused with the previous residual add), one QKV matmul, one kernel for q/k norm + RoPE + the
 cache write, varlen attention, the output matmul, add + RMSNorm, one gate/up matmul, SwiGLU, the down matmul:
 9 launches instead of ~45. The merged weights are the module's own storage (its q/k/v and gate/up parameters
 become views into them), so the simple path keeps working on the same memory.
@@ -13,7 +14,7 @@ from torch import nn
 
 from engine.kernels.attention import varlen_attention
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
-from engine.model.layers import DecoderLayer, DecoderStack
+from engine.model.layers import TransformerBlock, TransformerStack
 
 
 def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -31,8 +32,8 @@ def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
     return weight, bias
 
 
-class _MergedLayer:
-    def __init__(self, layer: DecoderLayer) -> None:
+class _MergedBlock:
+    def __init__(self, layer: TransformerBlock) -> None:
         attention = layer.self_attn
         self.layer = layer
         self.qkv, self.qkv_bias = merge_linears(attention.q_proj, attention.k_proj, attention.v_proj)
@@ -40,9 +41,9 @@ class _MergedLayer:
 
 
 class FusedLayers:
-    def __init__(self, stack: DecoderStack) -> None:
+    def __init__(self, stack: TransformerStack) -> None:
         self.stack = stack
-        self.layers = [_MergedLayer(layer) for layer in stack.layers]
+        self.layers = [_MergedBlock(layer) for layer in stack.layers]
         first = stack.layers[0].self_attn
         self.q_heads, self.head_dim = first.num_heads, first.head_dim
         self.eps = stack.norm.eps
@@ -50,7 +51,7 @@ class FusedLayers:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> torch.Tensor:
-        """x [N, H] (consumed: it becomes the residual stream), one token per row at positions [N] of cache slots
+        """x [N, H] (consumed: it becomes the residual), one token per row at positions [N] of cache slots
         [N]; caches [layers, slots, Hkv, capacity, D]. Returns the final-normed hidden states [N, H].
 
         Several rows may share a slot (a prefill): every row's key is stored before any row attends, and each row

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import DecoderLayersConfig
+from engine.config import TransformerConfig
 from engine.core.attention import decode_attention
 from engine.model.layers import Attend, gqa_attention
 
@@ -27,7 +27,7 @@ class CacheShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.slots * self.capacity * element
 
     @classmethod
-    def from_budget(cls, cfg: DecoderLayersConfig, budget_bytes: int, capacity: int, dtype: torch.dtype,
+    def from_budget(cls, cfg: TransformerConfig, budget_bytes: int, capacity: int, dtype: torch.dtype,
                     max_slots: int) -> "CacheShape":
         per_slot = cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 1, capacity).bytes(dtype)
         slots = min(max_slots, budget_bytes // per_slot)

@@ -1,38 +1,52 @@
-"""The batched model step over slots: prefill of several new requests in one pass, and the whole frame step
-(sample code 0, the 15 code-predictor sub-steps, then one talker token per request) with all per-request state on
-the device, so a step needs no host synchronisation inside and one device-to-host copy of its codes.
+"""The model side of a step: the talker's KV slots and per-slot state, the batch tensors of the requests a step runs,
+their prefill, and the frame step on the configured frame path (eager, padded to buckets, or CUDA graphs).
+
+The frame step (sample code 0, the 15 code-predictor sub-steps, then one talker token per request) keeps all
+per-request state on the device, so a step needs no host synchronisation inside and one device-to-host copy of its
+codes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from engine.core.frame_path import TorchFramePath
+from engine.core.attention import BACKENDS
+from engine.core.cuda_graphs import PaddedStep
+from engine.core.frame_path import FRAME_PATHS, TorchFramePath
 from engine.core.kv_cache import CacheShape, SlotKVCache
+from engine.core.sequence import Sequence
+from engine.core.step_batch import StepBatch
 from engine.model.talker import Talker
 from engine.reference import BatchSampling
 from engine.sampling import talker_logits_mask
 
+STEP_MODES = ("eager", "padded", "graphs")
+FRAME_PATH_ATTENTION = {"torch": "sdpa", "triton": "triton"}  # the attention each frame path runs by default
 
-@dataclass
-class StepBatch:
-    """The inputs of one frame step, one row per running request."""
 
-    slots: torch.Tensor  # [B] long
-    positions: torch.Tensor  # [B] long: where this step's talker token goes (prompt length + frames so far)
-    frame_index: torch.Tensor  # [B] long: frames produced so far
-    text_ids: torch.Tensor  # [B] long: text-track token for this step
-    sampling: BatchSampling
+def attention_for(frame_path: str, attention: str | None) -> str:
+    """The decode attention a frame path runs: its own unless one is named; the fused layers of `triton` attend
+    with the Triton kernel only, so naming another for it is an error, not a setting silently ignored."""
+    if frame_path not in FRAME_PATHS or (attention is not None and attention not in BACKENDS):
+        raise ValueError(f"frame_path must be one of {FRAME_PATHS} and attention_backend None or one of {BACKENDS}")
+    if frame_path == "triton" and attention not in (None, "triton"):
+        raise ValueError(f"frame_path='triton' attends with its Triton kernel; attention_backend={attention!r} "
+                         "would be ignored: leave it None or set 'triton'")
+    return attention or FRAME_PATH_ATTENTION[frame_path]
 
 
 class ModelRunner:
     def __init__(self, talker: Talker, cache_shape: CacheShape, device: torch.device, dtype: torch.dtype,
-                 attention_backend: str = "sdpa", frame_path: str = "torch") -> None:
+                 frame_path: str = "torch", attention: str | None = None, step_mode: str = "eager",
+                 pad_text_id: int = 0) -> None:
+        """`attention`: see `attention_for`; `pad_text_id`: the text token of a padding row (padded step modes)."""
+        if step_mode not in STEP_MODES:
+            raise ValueError(f"step_mode must be one of {STEP_MODES}")
         cfg = talker.cfg
         self.talker = talker
         self.device = device
-        self.cache = SlotKVCache(cache_shape, dtype, device, attention_backend)
+        self.cache = SlotKVCache(cache_shape, dtype, device, attention_for(frame_path, attention))
         slots = cache_shape.slots + 1  # the last one is the scratch slot (padding rows of graphed batches)
         self.scratch_slot = cache_shape.slots
         self.last_hidden = torch.zeros(slots, cfg.layers.hidden_size, dtype=dtype, device=device)
@@ -45,16 +59,35 @@ class ModelRunner:
             self.frame = FusedFramePath(talker, self.cache, slots)
         else:
             self.frame = TorchFramePath(talker, self.cache)
+        # The frame step as the engine runs it: `step` itself, or padded to a bucket (replayed as a CUDA graph).
+        self.run: Callable[[StepBatch], torch.Tensor] = self.step
+        if step_mode != "eager":
+            self.run = PaddedStep(self, pad_text_id, capture=step_mode == "graphs")
 
     @property
     def capacity(self) -> int:
         return self.cache.shape.capacity
 
+    def batch(self, seqs: list[Sequence]) -> StepBatch:
+        """The step's inputs for `seqs`, one row each."""
+        device = self.device
+
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return StepBatch(
+            slots=column([s.slot for s in seqs]),
+            positions=column([s.prompt.prefill.shape[0] + s.frames for s in seqs]),
+            frame_index=column([s.frames for s in seqs]),
+            text_ids=column([s.text_id() for s in seqs]),
+            sampling=BatchSampling.of([s.sampling for s in seqs], device),
+        )
+
     @torch.inference_mode()
-    def prefill(self, slots: list[int], prompts: list[torch.Tensor]) -> None:
-        """Run the prompts [P_i, H] of new requests as one batch into their slots."""
-        slot_index = torch.tensor(slots, device=self.device)
-        self.last_hidden[slot_index] = self.frame.prefill(slot_index, prompts)
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Run the prompts [P_i, H] of newly admitted requests as one batch into their slots."""
+        slot_index = torch.tensor([s.slot for s in seqs], device=self.device)
+        self.last_hidden[slot_index] = self.frame.prefill(slot_index, [s.prompt.prefill for s in seqs])
         self.seen[slot_index] = False
 
     @torch.inference_mode()
@@ -65,7 +98,7 @@ class ModelRunner:
         codes = self.frame.sample(hidden, self.seen[batch.slots], batch.frame_index, batch.sampling, self.suppressed)
         step_input = talker.frame_embed(codes) + talker.text_embed(batch.text_ids)
         hidden = self.frame.advance(step_input, batch.slots, batch.positions)
-        # A request's state advances only here, at the end: a step that raised before can run again (engine.py).
+        # A request's state advances only here, at the end: a step that raised before can run again (isolation.py).
         self.seen.index_put_((batch.slots, codes[:, 0]), self._true)
         self.last_hidden[batch.slots] = hidden
         return codes

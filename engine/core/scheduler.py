@@ -1,64 +1,175 @@
-"""Which running streams take the next frame step when there are more than a step holds.
+"""Which requests run: the waiting queue, the running requests and their slots, admission, the hold rule, which
+runnable requests take the next frame step, and the bookkeeping of a request's end.
 
-A stream's urgency is its playback deadline: how much of its audio is still ahead of a client that started playing
-at its first audio. The engine admits (prefills) new requests before it steps, and a new request ranks before every
-stream with more than half a second of audio buffered: its first audio comes in the next step unless running
-streams are about to run dry. Streams far ahead of real time are the ones left out when the step is full.
+Admission takes waiting requests oldest first, up to `max_prefill_batch` per step and while slots are free; a
+streaming-text request waits until its prefill has its text (`Sequence.ready`). A running request whose next text
+token has not arrived holds (`Sequence.runnable`); the others are runnable.
+
+When more are runnable than a step holds (`max_step_batch`), a request's urgency is its playback deadline: how much
+of its audio is still ahead of a client that started playing at its first audio. A new request ranks before every
+request with more than half a second of audio buffered: its first audio comes in the next step unless running
+requests are about to run dry. Requests far ahead of real time are the ones left out when the step is full.
 
 Policies are named, so that the engine, the simulator (`engine/core/simulator.py`) and the benchmarks choose them by
-name; each orders the runnable streams and the step takes the first `max_step_batch`:
+name; each orders the runnable requests and the step takes the first `max_step_batch`:
 - `deadline`: least audio buffered ahead of playout first; a new request ranks as if it had 0.5 s buffered, so
-  under overload it waits for the running streams to have audio to spare instead of making them all run dry.
+  under overload it waits for the running requests to have audio to spare instead of making them all run dry.
 - `fcfs`: first come, first served (arrival order): the baseline the simulator compares against.
+
+The simulator runs this same class on a virtual clock (`clock`), with its own requests behind the `Scheduled` rules.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+import torch
+
+from engine.core.sequence import Sequence
+from engine.errors import EngineFull
 
 FRAME_SECONDS = 0.08  # 12.5 frames per second
+NEW_REQUEST_SLACK_S = 0.5
 
 
 class Scheduled(Protocol):
     request_id: int  # increases with arrival
+    slot: int
     frames: int  # frames generated so far
     first_audio_at: float | None  # when its first frame was generated
+    done: str | None
+
+    def ready(self) -> bool: ...  # its prefill can run
+
+    def runnable(self) -> bool: ...  # its next frame can run
 
 
-NEW_STREAM_SLACK_S = 0.5
-
-
-def buffered_ahead(stream: Scheduled, now: float) -> float:
+def buffered_ahead(seq: Scheduled, now: float) -> float:
     """Seconds of audio generated beyond what a client playing since the first audio has heard."""
-    return stream.frames * FRAME_SECONDS - (now - stream.first_audio_at)
+    return seq.frames * FRAME_SECONDS - (now - seq.first_audio_at)
 
 
-def playback_deadline(stream: Scheduled, now: float) -> float:
-    """A new request ranks as if `NEW_STREAM_SLACK_S` of its audio were buffered: before every running stream that
+def playback_deadline(seq: Scheduled, now: float) -> float:
+    """A new request ranks as if `NEW_REQUEST_SLACK_S` of its audio were buffered: before every running request that
     has more (time to first audio), after those about to run dry (a newcomer never makes others underrun)."""
-    return NEW_STREAM_SLACK_S if stream.first_audio_at is None else buffered_ahead(stream, now)
+    return NEW_REQUEST_SLACK_S if seq.first_audio_at is None else buffered_ahead(seq, now)
 
 
 S = TypeVar("S", bound=Scheduled)
 Order = Callable[[Scheduled, float], float]
 POLICIES: dict[str, Order] = {
     "deadline": playback_deadline,
-    "fcfs": lambda stream, now: stream.request_id,
+    "fcfs": lambda seq, now: seq.request_id,
 }
 
 
-class Scheduler:
-    def __init__(self, policy: str = "deadline", max_step_batch: int | None = None) -> None:
+class Scheduler(Generic[S]):
+    def __init__(self, slots: int, policy: str = "deadline", max_step_batch: int | None = None,
+                 max_prefill_batch: int = 16, max_waiting: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`max_waiting`: None queues without limit (the simulator); `clock`: seconds, for deadlines and first audio."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if max_step_batch is not None and max_step_batch < 1:
             raise ValueError("max_step_batch must be at least 1")
-        self.policy = policy
         self.max_step_batch = max_step_batch
+        self.max_prefill_batch = max_prefill_batch
+        self.max_waiting = max_waiting
+        self.clock = clock
         self._order = POLICIES[policy]
+        self.free_slots = list(range(slots))
+        self.waiting: deque[S] = deque()
+        self.running: dict[int, S] = {}
+        self.finished: list[S] = []  # ended requests whose Finished is not delivered yet
 
-    def select(self, runnable: Sequence[S], now: float) -> list[S]:
-        """The streams of the next step, most urgent first."""
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and not self.finished
+
+    def check_room(self) -> None:
+        """Raises EngineFull when the waiting queue is full (before a request is planned: that costs)."""
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise EngineFull(f"the engine is full ({len(self.waiting)} requests waiting); try again later")
+
+    def add(self, seq: S) -> None:
+        self.waiting.append(seq)
+
+    def find(self, request_id: int) -> S | None:
+        """A running or waiting request."""
+        return self.running.get(request_id) or next((s for s in self.waiting if s.request_id == request_id), None)
+
+    def admit(self, prepare: Callable[[S], bool]) -> list[S]:
+        """The waiting requests that can start now, oldest first, each moved to a slot. `prepare(seq)` completes a
+        ready request before it takes a slot (the engine builds a streaming-text prompt); False leaves it out."""
+        admitted: list[S] = []
+        for seq in list(self.waiting):
+            if len(admitted) >= self.max_prefill_batch:
+                break
+            if not seq.ready() or not prepare(seq):
+                continue
+            if not self.free_slots:
+                break
+            self.waiting.remove(seq)
+            seq.slot = self.free_slots.pop(0)
+            self.running[seq.request_id] = seq
+            admitted.append(seq)
+        return admitted
+
+    def schedule(self) -> tuple[list[S], list[S]]:
+        """(the requests of the next frame step, most urgent first; the held ones)."""
+        runnable: list[S] = []
+        held: list[S] = []
+        for seq in self.running.values():
+            (runnable if seq.runnable() else held).append(seq)
+        return self.select(runnable, self.clock()), held
+
+    def select(self, runnable: list[S], now: float) -> list[S]:
+        """The requests of the next step, most urgent first."""
         if self.max_step_batch is None or len(runnable) <= self.max_step_batch:
             return list(runnable)
-        return sorted(runnable, key=lambda stream: self._order(stream, now))[: self.max_step_batch]
+        return sorted(runnable, key=lambda seq: self._order(seq, now))[: self.max_step_batch]
+
+    def postprocess(self, seqs: list[Sequence], codes: torch.Tensor, eos: int) -> None:
+        """Each request's new frame (codes [B, 16] on the host): EOS or its last frame ends it."""
+        for seq, frame in zip(seqs, codes):
+            if frame[0].item() == eos:
+                self.finish(seq, "eos")
+                continue
+            seq.pending.append(frame)
+            seq.frames += 1
+            if seq.first_audio_at is None:
+                seq.first_audio_at = self.clock()
+            if seq.frames >= seq.max_frames:
+                self.finish(seq, "length")
+
+    def finish(self, seq: S, reason: str) -> None:
+        """The request is done: its slot is free for the next admission, its Finished is due."""
+        seq.done = reason
+        if self.running.pop(seq.request_id, None) is not None:
+            self.free_slots.append(seq.slot)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq not in self.finished:
+            self.finished.append(seq)
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request now: its slot is free for the next step and it produces no further event."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return True
+        seq = self.running.pop(request_id, None)
+        if seq is not None:
+            self.free_slots.append(seq.slot)
+        else:
+            seq = next((s for s in self.finished if s.request_id == request_id), None)
+        if seq is None:
+            return False
+        seq.cancelled = True  # its chunks still in flight are dropped
+        return True
+
+    def take_finished(self) -> list[S]:
+        """The ended requests whose Finished is due now."""
+        finished, self.finished = self.finished, []
+        return finished

@@ -1,12 +1,12 @@
-"""The engine's scheduling on a virtual clock: the real `Scheduler`, the engine's admission and hold rules, and a
+"""The engine's scheduling on a virtual clock: the real `Scheduler` (admission, hold rule, selection, ends) and a
 cost model of the GPU step in place of the model, so that policies are compared in seconds on a CPU (and in CI).
 
 The cost model's defaults are fitted from the H100 1.7B runs in docs/benchmarks.md: a frame step of 6.6 ms at
-batch 1 growing ~0.05 ms per stream (12.9 ms at 128), codec decoding ~0.11 ms per generated frame (offline, 427
+batch 1 growing ~0.05 ms per request (12.9 ms at 128), codec decoding ~0.11 ms per generated frame (offline, 427
 audio s/s at batch 256); a prefill pass of ~10 ms (eager, launch-bound: single-request time to first audio, 23 ms,
 less the step and the first decode) plus ~0.5 ms per request in it.
 
-A simulated client starts playing a stream at its first frame; a frame generated after its playback time is an
+A simulated client starts playing a request's audio at its first frame; a frame generated after its playback time is an
 underrun. With streaming text, latency runs from the first text token, and a frame can run only once its text token
 has arrived (one token per frame, then the end of the input), as in the engine.
 """
@@ -23,14 +23,14 @@ from engine.core.scheduler import FRAME_SECONDS, Scheduler
 @dataclass(frozen=True)
 class CostModel:
     step_ms: float = 6.6
-    per_stream_ms: float = 0.05
+    per_request_ms: float = 0.05
     decode_per_frame_ms: float = 0.11
     prefill_ms: float = 10.0  # a prefill pass (eager: launch-bound)
     prefill_per_request_ms: float = 0.5
 
     def step_seconds(self, batch: int, admitted: int) -> float:
         prefill = self.prefill_ms + admitted * self.prefill_per_request_ms if admitted else 0.0
-        return (self.step_ms + batch * (self.per_stream_ms + self.decode_per_frame_ms) + prefill) / 1e3
+        return (self.step_ms + batch * (self.per_request_ms + self.decode_per_frame_ms) + prefill) / 1e3
 
 
 @dataclass(frozen=True)
@@ -41,26 +41,37 @@ class Arrival:
 
 
 @dataclass
-class SimStream:
+class VirtualClock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(eq=False)  # compared by identity, as the engine's sequences
+class SimRequest:
     request_id: int
     arrival: Arrival
+    clock: VirtualClock
+    slot: int = -1
     frames: int = 0
     first_audio_at: float | None = None
+    done: str | None = None
     delivered: list[float] = field(default_factory=list)
 
-    def _tokens(self, now: float) -> int:
-        return sum(t <= now for t in self.arrival.text_times)
+    def _tokens(self) -> int:
+        return sum(t <= self.clock.now for t in self.arrival.text_times)
 
-    def _text_complete(self, now: float) -> bool:
-        return not self.arrival.text_times or self.arrival.text_times[-1] <= now
+    def _text_complete(self) -> bool:
+        return not self.arrival.text_times or self.arrival.text_times[-1] <= self.clock.now
 
-    def ready(self, now: float) -> bool:
+    def ready(self) -> bool:
         """The prefill has its first text token."""
-        return self._text_complete(now) or self._tokens(now) >= 1
+        return self._text_complete() or self._tokens() >= 1
 
-    def runnable(self, now: float) -> bool:
+    def runnable(self) -> bool:
         """The next frame's text token is in (frame k reads token k; the frame after the last reads the end)."""
-        return self._text_complete(now) or self.frames + 1 < self._tokens(now)
+        return self._text_complete() or self.frames + 1 < self._tokens()
 
     @property
     def started_at(self) -> float:
@@ -71,42 +82,37 @@ class SimStream:
         return all(t <= self.first_audio_at + k * FRAME_SECONDS + 1e-9 for k, t in enumerate(self.delivered))
 
 
-def simulate(arrivals: list[Arrival], scheduler: Scheduler, slots: int, cost: CostModel = CostModel(),
-             max_prefill_batch: int = 16) -> list[SimStream]:
-    """Run every arrival to its length; returns the streams with their frame times."""
+def simulate(arrivals: list[Arrival], scheduler: Scheduler, cost: CostModel = CostModel()) -> list[SimRequest]:
+    """Run every arrival to its length through `scheduler` (a new one: its queues empty), which is put on the
+    simulation's virtual clock; returns the requests with their frame times."""
+    clock = scheduler.clock = VirtualClock()
     pending = deque(sorted(arrivals, key=lambda a: a.at))
-    waiting: list[SimStream] = []
-    running: list[SimStream] = []
-    finished: list[SimStream] = []
-    now, ids = 0.0, 0
-    while pending or waiting or running:
-        while pending and pending[0].at <= now:
+    finished: list[SimRequest] = []
+    ids = 0
+    while pending or not scheduler.idle():
+        while pending and pending[0].at <= clock.now:
             ids += 1
-            waiting.append(SimStream(ids, pending.popleft()))
-        room = min(slots - len(running), max_prefill_batch)
-        admitted = [s for s in waiting if s.ready(now)][:max(room, 0)]
-        for stream in admitted:
-            waiting.remove(stream)
-            running.append(stream)
-        batch = scheduler.select([s for s in running if s.runnable(now)], now)
+            scheduler.add(SimRequest(ids, pending.popleft(), clock))
+        admitted = scheduler.admit(lambda request: True)
+        batch, _ = scheduler.schedule()
         if not batch and not admitted:
-            now = _next_event(now, pending, waiting + running)
+            clock.now = _next_event(clock.now, pending, [*scheduler.waiting, *scheduler.running.values()])
             continue
-        now += cost.step_seconds(len(batch), len(admitted))
-        for stream in batch:
-            stream.frames += 1
-            stream.delivered.append(now)
-            if stream.first_audio_at is None:
-                stream.first_audio_at = now
-            if stream.frames == stream.arrival.frames:
-                running.remove(stream)
-                finished.append(stream)
+        clock.now += cost.step_seconds(len(batch), len(admitted))
+        for request in batch:
+            request.frames += 1
+            request.delivered.append(clock.now)
+            if request.first_audio_at is None:
+                request.first_audio_at = clock.now
+            if request.frames == request.arrival.frames:
+                scheduler.finish(request, "length")
+        finished += scheduler.take_finished()
     return finished
 
 
-def _next_event(now: float, pending: deque[Arrival], streams: list[SimStream]) -> float:
+def _next_event(now: float, pending: deque[Arrival], requests: list[SimRequest]) -> float:
     times = [pending[0].at] if pending else []
-    times += [t for s in streams for t in s.arrival.text_times if t > now]
+    times += [t for r in requests for t in r.arrival.text_times if t > now]
     if not times:
         raise RuntimeError("the simulation is stuck: nothing can run and nothing will arrive")
     return min(times)
@@ -139,11 +145,11 @@ def llm_token_times(rng: random.Random, start: float, tokens: int, rate: float) 
     return tuple(times)
 
 
-def summarize(streams: list[SimStream]) -> dict:
-    ttfa = sorted(s.first_audio_at - s.started_at for s in streams)
+def summarize(requests: list[SimRequest]) -> dict:
+    ttfa = sorted(r.first_audio_at - r.started_at for r in requests)
 
     def percentile(p: float) -> float:
         return ttfa[min(len(ttfa) - 1, int(p / 100 * len(ttfa)))] * 1e3
 
-    return dict(streams=len(streams), ttfa_ms_p50=percentile(50), ttfa_ms_p95=percentile(95),
-                ttfa_ms_p99=percentile(99), never_underrun=sum(s.never_underran() for s in streams) / len(streams))
+    return dict(requests=len(requests), ttfa_ms_p50=percentile(50), ttfa_ms_p95=percentile(95),
+                ttfa_ms_p99=percentile(99), never_underrun=sum(r.never_underran() for r in requests) / len(requests))

@@ -1,0 +1,1 @@
+"""Triton GPU kernels of the fast frame path: fused transformer-block ops, varlen attention, one-kernel sampling."""

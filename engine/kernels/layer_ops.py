@@ -1,6 +1,6 @@
-"""Triton kernels that fuse the small steps of a decoder layer, for the engine's graphed frame step.
+"""Triton kernels that fuse the small steps of a transformer block, for the engine's graphed frame step.
 
-A frame step runs 103 decoder layers (28 talker, 5 x 15 code predictor) at one token per request, where every
+A frame step runs 103 transformer blocks (28 talker, 5 x 15 code predictor) at one token per request, where every
 PyTorch op is its own kernel launch costing more than its arithmetic. Each kernel here replaces a chain of them:
 residual add + RMSNorm, q/k RMSNorm + RoPE + the K/V cache write, SwiGLU. Every intermediate is rounded to the
 model dtype where the reference rounds it (`_rounded`), so the fused path follows the reference's arithmetic.

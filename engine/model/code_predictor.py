@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from engine.config import CodePredictorConfig
-from engine.model.layers import DecoderStack, KVCache
+from engine.model.layers import KVCache, TransformerStack
 
 
-class CodePredictorBackbone(DecoderStack):
+class CodePredictorBackbone(TransformerStack):
     def __init__(self, cfg: CodePredictorConfig, talker_hidden: int) -> None:
         super().__init__(cfg.layers)
         # Inputs live in the talker's width; `small_to_mtp_projection` maps them when the widths differ.

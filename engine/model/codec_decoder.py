@@ -1,7 +1,7 @@
 """The 12 Hz codec decoder (codes -> 24 kHz waveform) as an exact streaming decoder.
 
-The decoder is strictly causal, so it streams exactly: every causal convolution keeps the last inputs it needs,
-each transposed convolution keeps its last input frame, and each transformer layer keeps the keys and values of
+The decoder is strictly causal, so its streaming decode is exact: every causal convolution keeps the last inputs it
+needs, each transposed convolution keeps its last input frame, and each transformer layer keeps the keys and values of
 its sliding window. The offline decode is the streaming decode of all frames at once from an empty state: there is
 one code path, and streaming in any piece size reproduces it.
 """
@@ -19,7 +19,7 @@ from engine.model.layers import MLP, LayerScale, RMSNorm, RotaryEmbedding, apply
 
 @dataclass
 class DecoderState:
-    """Everything a stream carries between decode calls; batch is dim 0 of every tensor."""
+    """Everything a streaming decode carries between calls; batch is dim 0 of every tensor."""
 
     position: torch.Tensor  # [B] frames decoded so far
     history: dict[str, torch.Tensor] = field(default_factory=dict)  # causal conv / transposed conv inputs
@@ -296,7 +296,7 @@ class CodecDecoder(nn.Module):
         )
 
     def decode_step(self, codes: torch.Tensor, state: DecoderState) -> torch.Tensor:
-        """codes [B, n, 16] (the next n frames of each stream) -> waveform [B, n * samples_per_frame].
+        """codes [B, n, 16] (the next n frames of each row) -> waveform [B, n * samples_per_frame].
 
         `state` is updated in place, so the next call continues exactly where this one stopped."""
         x = self.quantizer.decode(codes.clamp(min=0).transpose(1, 2))

@@ -1,4 +1,5 @@
-"""Qwen3 decoder building blocks shared by the talker and the code predictor.
+"""Qwen3 transformer building blocks shared by the talker and the code predictor (in this repository "decoder"
+means only the codec decoder).
 
 The math follows the reference exactly (fp32 RMSNorm, rotate-half RoPE with fp32 angles, q/k RMSNorm per head,
 SwiGLU) so that greedy decoding reproduces its codes frame for frame.
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import DecoderLayersConfig
+from engine.config import TransformerConfig
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +41,7 @@ class LayerScale(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """1-D RoPE. The talker's "mRoPE" is exactly this: its three position streams are always equal."""
+    """1-D RoPE. The talker's "mRoPE" is exactly this: its three position ids are always equal."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -135,7 +136,7 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderLayersConfig) -> None:
+    def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -169,8 +170,8 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderLayersConfig) -> None:
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
@@ -182,12 +183,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DecoderStack(nn.Module):
+class TransformerStack(nn.Module):
     """Layers + final norm over input embeddings; parameter names match the checkpoint's `*.model.*` prefix."""
 
-    def __init__(self, cfg: DecoderLayersConfig) -> None:
+    def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 

@@ -1,4 +1,4 @@
-"""The talker: a Qwen3 decoder over summed text-track and codec-track embeddings that predicts codebook 0."""
+"""The talker: a Qwen3 transformer over summed text-track and codec-track embeddings that predicts codebook 0."""
 from __future__ import annotations
 
 import torch
@@ -7,10 +7,10 @@ from torch import nn
 
 from engine.config import TalkerConfig
 from engine.model.code_predictor import CodePredictor
-from engine.model.layers import DecoderStack
+from engine.model.layers import TransformerStack
 
 
-class TalkerBackbone(DecoderStack):
+class TalkerBackbone(TransformerStack):
     def __init__(self, cfg: TalkerConfig) -> None:
         super().__init__(cfg.layers)
         self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.layers.hidden_size)

@@ -2,12 +2,12 @@
 queue, cancel at any time.
 
 `FrontEnd` is what both front ends share on the event loop; `AsyncEngine` runs the step loop (`step_loop.py`) on a
-thread of this process, `engine_process.ProcessEngine` in a process of its own. The contract is the same: `submit`
-validates the request (`requests.check_request`) and counts it against the engine's capacity, so it raises at once
-for an invalid request, a full engine or a failed one, and never waits for a step; anything that fails later ends
-that request alone with a `Finished` carrying its typed error. When the engine as a whole fails (a device fault),
-every open request ends with `EngineFailed`, `error` is set and `on_failure` hears of it; it never takes the
-caller's event loop down.
+thread of this process, `process_engine.ProcessEngine` in a process of its own. The contract is the same: `submit`
+validates the request (`check_request`, engine/request.py) and counts it against the engine's capacity, so it
+raises at once for an invalid request, a full engine or a failed one, and never waits for a step; anything that fails
+later ends that request alone with a `Finished` carrying its typed error. When the engine as a whole fails (a device
+fault), every open request ends with `EngineFailed`, `error` is set and `on_failure` hears of it; it never takes
+the caller's event loop down.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from engine.tts import TTSModel
 STOP_TIMEOUT_S = 10.0  # a step that hangs this long is left behind (its thread is a daemon)
 
 
-class RequestStream:
+class RequestHandle:
     """One request's events, in order, ending with its `Finished`. After `cancel()` nothing more is delivered."""
 
     def __init__(self, request_id: int, front_end: FrontEnd) -> None:
@@ -56,7 +56,7 @@ class RequestStream:
 
 class FrontEnd:
     """Requests in from the event loop, as commands for the step loop; the step loop's reports (its `Outbox`) back
-    from its thread, each request's events to its `RequestStream`. Subclasses carry the commands (`_send`)."""
+    from its thread, each request's events to its `RequestHandle`. Subclasses carry the commands (`_send`)."""
 
     def __init__(self, tts: TTSModel, capacity: int, on_step: Callable[[float, int], None] | None,
                  on_failure: Callable[[EngineFailed], None] | None) -> None:
@@ -69,17 +69,17 @@ class FrontEnd:
         self.error: EngineFailed | None = None
         self.waiting = 0  # requests queued for a slot, as of the last step
         self.last_step_started: float | None = None  # set while a step runs: a stalled step shows here
-        self._streams: dict[int, RequestStream] = {}
+        self._handles: dict[int, RequestHandle] = {}
         self._next_id = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error_lock = threading.Lock()
 
     @property
     def active(self) -> int:
-        """Requests running or waiting (open streams)."""
-        return len(self._streams)
+        """Requests running or waiting (open requests)."""
+        return len(self._handles)
 
-    def submit(self, request: SynthesisRequest) -> RequestStream:
+    def submit(self, request: SynthesisRequest) -> RequestHandle:
         """Queue a request; raises at once RequestError (invalid), EngineFull (as many requests open as the engine
         holds) or EngineFailed."""
         if self.error is not None:
@@ -88,10 +88,10 @@ class FrontEnd:
         if self.active >= self.capacity:
             raise EngineFull(f"the engine is full ({self.active} requests open); try again later")
         self._next_id += 1
-        stream = RequestStream(self._next_id, self)
-        self._streams[stream.request_id] = stream
-        self._send(Command("submit", stream.request_id, request))
-        return stream
+        handle = RequestHandle(self._next_id, self)
+        self._handles[handle.request_id] = handle
+        self._send(Command("submit", handle.request_id, request))
+        return handle
 
     def append_text(self, request_id: int, text: str) -> None:
         """More text for a streaming-text request (ignored once the request has finished or was cancelled)."""
@@ -102,7 +102,7 @@ class FrontEnd:
 
     def _cancel(self, request_id: int) -> bool:
         """Nothing more is delivered from now on; the slot is freed before the next step."""
-        running = self._streams.pop(request_id, None) is not None
+        running = self._handles.pop(request_id, None) is not None
         self._send(Command("cancel", request_id))
         return running
 
@@ -112,11 +112,11 @@ class FrontEnd:
     # --- the step loop's outbox: called from the engine's thread, or from the reader of the engine process ---------
 
     def publish(self, events: list[Event]) -> None:
-        streams = {event.request_id: self._streams.get(event.request_id) for event in events}
+        handles = {event.request_id: self._handles.get(event.request_id) for event in events}
         for event in events:
             if isinstance(event, Finished):
-                self._streams.pop(event.request_id, None)
-        self._loop.call_soon_threadsafe(self._dispatch, events, streams)
+                self._handles.pop(event.request_id, None)
+        self._loop.call_soon_threadsafe(self._dispatch, events, handles)
 
     def step_started(self) -> None:
         self.last_step_started = time.monotonic()
@@ -138,11 +138,11 @@ class FrontEnd:
     # --- on the event loop ------------------------------------------------------------------------------------
 
     @staticmethod
-    def _dispatch(events: list[Event], streams: dict[int, RequestStream | None]) -> None:
+    def _dispatch(events: list[Event], handles: dict[int, RequestHandle | None]) -> None:
         for event in events:
-            stream = streams[event.request_id]
-            if stream is not None:
-                stream._deliver(event)
+            handle = handles[event.request_id]
+            if handle is not None:
+                handle._deliver(event)
 
     def _engine_failed(self, error: EngineFailed) -> None:
         self._end_open(error)
@@ -151,10 +151,10 @@ class FrontEnd:
 
     def _end_open(self, error: EngineFailed) -> None:
         """Every open request ends with `error`."""
-        failed = list(self._streams.values())
-        self._streams.clear()
-        for stream in failed:
-            stream._deliver(Finished(stream.request_id, "error", 0, error))
+        failed = list(self._handles.values())
+        self._handles.clear()
+        for handle in failed:
+            handle._deliver(Finished(handle.request_id, "error", 0, error))
 
     def _stopping(self) -> EngineFailed:
         """Submits are refused from now on, and a failure reported after this is moot; returns what open requests

@@ -1,5 +1,5 @@
 """The engine's step loop, run by both asyncio front ends: on a thread of the caller's process (`async_engine.py`) or
-in a process of its own (`engine_process.py`). Only the transport differs: how commands come in (`Inbox`) and how
+in a process of its own (`process_engine.py`). Only the transport differs: how commands come in (`Inbox`) and how
 what the loop reports goes out (`Outbox`).
 
 Commands (submit, more text, end of text, cancel) are applied between steps, so a caller never waits for a step,

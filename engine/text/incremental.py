@@ -6,7 +6,7 @@ word that grows, "'" that becomes "'s", trailing spaces that leave one to the ne
 place where Unicode normalisation (NFC) could join the characters on its two sides.
 
 `TextFeed` is one request's text track in the streaming layout: one token per frame, `tts_eos` once the input has
-ended, then `tts_pad`; `None` while the next token has not arrived, which is when the engine holds the stream.
+ended, then `tts_pad`; `None` while the next token has not arrived, which is when the engine holds the request.
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@ audio queued before it, and a cancel can drop a context's unsent audio before it
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 
 @dataclass
@@ -20,8 +21,6 @@ class Outbox:
     def __init__(self) -> None:
         self._items: deque[Outgoing] = deque()
         self._ready = asyncio.Event()
-        self._drained = asyncio.Event()
-        self._drained.set()
         self._taken = asyncio.Event()  # set whenever items leave
         self.queued_ms = 0.0  # audio waiting to be sent
 
@@ -35,7 +34,10 @@ class Outbox:
             self._items.append(item)
         self.queued_ms += item.audio_ms
         self._ready.set()
-        self._drained.clear()
+
+    def put_event(self, message: dict[str, Any], context_id: str | None = None, urgent: bool = False) -> None:
+        """A server event (protocol.event), serialised here once; `context_id` lets a cancel drop it."""
+        self.put(Outgoing(json.dumps(message), context_id), urgent=urgent)
 
     def drop(self, context_id: str) -> float:
         """Forget a context's unsent items (its audio after a cancel); returns the audio dropped, in ms."""
@@ -46,13 +48,12 @@ class Outbox:
         self._settle()
         return dropped
 
-    def take(self, item: Outgoing) -> bool:
-        """Remove this very item if it is still queued (to queue it again elsewhere)."""
+    def move_to_front(self, item: Outgoing) -> bool:
+        """Send this very item next if it is still queued (a warning that explains the error put before it)."""
         for index, queued in enumerate(self._items):
             if queued is item:
                 del self._items[index]
-                self.queued_ms -= item.audio_ms
-                self._settle()
+                self._items.appendleft(item)
                 return True
         return False
 
@@ -69,13 +70,9 @@ class Outbox:
         self._taken.set()
         if not self._items:
             self.queued_ms = 0.0
-            self._drained.set()
 
     async def below(self, audio_ms: float) -> None:
         """Wait until less than `audio_ms` of audio is queued."""
         while self.queued_ms >= audio_ms:
             self._taken.clear()
             await self._taken.wait()
-
-    async def drained(self) -> None:
-        await self._drained.wait()

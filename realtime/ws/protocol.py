@@ -12,7 +12,8 @@ from functools import partial
 from itertools import accumulate
 from typing import Any, Protocol
 
-from realtime.audio import DEFAULT_RATES, AudioFormat, UnsupportedFormat
+from realtime.audio.formats import DEFAULT_RATES, MODEL_SAMPLE_RATE, AudioFormat, UnsupportedFormat
+from realtime.ws.utterances import BUFFERING
 
 PROTOCOL = "voxgate.v1"
 
@@ -29,12 +30,11 @@ MAGIC = 0xA1
 FLAG_FIRST, FLAG_LAST, FLAG_DISCONTINUITY = 1, 2, 4
 _HEADER = struct.Struct("<BBHI")
 
-BUFFERING = ("auto", "none", "sentence")
 TRANSPORTS = ("binary", "json")
 PRESETS: dict[str, dict[str, Any]] = {
-    "browser": {"audio": {"encoding": "opus", "sample_rate": 24000}},
+    "browser": {"audio": {"encoding": "opus", "sample_rate": MODEL_SAMPLE_RATE}},
     "twilio": {"audio": {"encoding": "mulaw", "sample_rate": 8000, "frame_ms": 20}, "transport": {"audio": "json"}},
-    "pcm": {"audio": {"encoding": "pcm_s16le", "sample_rate": 24000}},
+    "pcm": {"audio": {"encoding": "pcm_s16le", "sample_rate": MODEL_SAMPLE_RATE}},
 }
 
 
@@ -189,7 +189,13 @@ def parse_message(text: str, schemas: dict[str, dict[str, tuple[tuple[type, ...]
                   ) -> dict[str, Any]:
     """A client text frame as a validated message dict (`schemas`: voxgate.v1's messages unless another socket's);
     raises ProtocolError (never fatal) carrying the message's `event_id` when it had a valid one."""
-    message = _decode_json(text, "invalid_message")
+    return check_message(_decode_json(text, "invalid_message"), schemas)
+
+
+def check_message(message: Any, schemas: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = MESSAGES
+                  ) -> dict[str, Any]:
+    """A decoded message, validated as `parse_message` validates a text frame (a message the server makes on the
+    client's behalf is checked by the very same rules, without a JSON round trip)."""
     if not isinstance(message, dict):
         _check_unicode(message, "invalid_message")
         raise ProtocolError("invalid_message", "a message must be a JSON object with a \"type\" field")
@@ -238,20 +244,24 @@ def _check_fields(message: dict[str, Any], schemas: dict[str, dict[str, tuple[tu
             expected = " or ".join(dict.fromkeys(_TYPE_NAMES[t] for t in types))
             raise ProtocolError("invalid_message", f"{kind}: field {name!r} must be {expected}", context_id=context_id)
         if types is not _ANY:
-            _check_limit(kind, name, value, context_id)
+            check_limit(name, value, f"{kind}: ", context_id)
     if kind == "session.close" and message.get("mode", "graceful") not in ("graceful", "abort"):
         raise ProtocolError("invalid_message", "session.close: mode must be \"graceful\" or \"abort\"")
 
 
-def _check_limit(kind: str, name: str, value: Any, context_id: str | None) -> None:
-    limit = FIELD_LIMITS.get(name)
+def check_limit(name: str, value: Any, where: str = "", context_id: str | None = None,
+                limits: dict[str, int | tuple[float, float]] = FIELD_LIMITS) -> None:
+    """The one length / range rule of a field (`limits`: FIELD_LIMITS unless another endpoint's), for the socket and
+    the speech endpoint alike; `where` prefixes the message. Raises ProtocolError (`text_too_long` for
+    instructions, else `invalid_message`)."""
+    limit = limits.get(name)
     if limit is None or isinstance(value, bool):
         return
     if isinstance(value, str) and isinstance(limit, int) and len(value) > limit:
         code = "text_too_long" if name == "instructions" else "invalid_message"
-        raise ProtocolError(code, f"{kind}: {name} takes at most {limit} characters", context_id=context_id)
+        raise ProtocolError(code, f"{where}{name} takes at most {limit} characters", context_id=context_id)
     if isinstance(value, (int, float)) and isinstance(limit, tuple) and not limit[0] <= value <= limit[1]:
-        raise ProtocolError("invalid_message", f"{kind}: {name} must be from {limit[0]} to {limit[1]}",
+        raise ProtocolError("invalid_message", f"{where}{name} must be from {limit[0]} to {limit[1]}",
                             context_id=context_id)
 
 
@@ -399,9 +409,6 @@ def _sampling(current: Sampling, fields: dict[str, Any]) -> Sampling:
     return replace(current, **values)
 
 
-QUERY_FIELDS = ("voice", "language", "encoding", "sample_rate", "preset")
-
-
 def query_fields(params: dict[str, str]) -> tuple[dict[str, Any], list[ProtocolError]]:
     """Session defaults from the socket's query string, in session.start's shape, and the errors of bad ones."""
     fields: dict[str, Any] = {k: params[k] for k in ("voice", "language", "preset") if k in params}
@@ -420,6 +427,26 @@ def query_fields(params: dict[str, str]) -> tuple[dict[str, Any], list[ProtocolE
     if audio:
         fields["audio"] = audio
     return fields, errors
+
+
+class SessionLimits(Protocol):
+    """The limits `session.started` announces (the gateway's `Limits`)."""
+    max_contexts: int
+    max_text_chars: int
+    max_message_bytes: int
+    idle_timeout_s: float
+
+
+def session_started(session_id: str, model: str, voice: str, config: SessionConfig, pre_skip: int,
+                    limits: SessionLimits, event_id: Any = None) -> dict[str, Any]:
+    """The `session.started` event: the session's effective configuration and its limits."""
+    return event("session.started", session_id=session_id, protocol=PROTOCOL, model=model, voice=voice,
+                 audio=audio_description(config.audio, pre_skip), transport={"audio": config.transport},
+                 text={"buffering": config.buffering, "max_buffer_delay_ms": config.max_buffer_delay_ms},
+                 timestamps=config.timestamps,
+                 limits={"max_contexts": limits.max_contexts, "max_text_chars": limits.max_text_chars,
+                         "max_message_bytes": limits.max_message_bytes, "idle_timeout_s": limits.idle_timeout_s},
+                 event_id=event_id)
 
 
 def audio_description(fmt: AudioFormat, pre_skip: int) -> dict[str, Any]:

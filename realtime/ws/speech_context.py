@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.errors import EmptyText, RequestError, SynthesisFailed, VoxgateError, request_failure
 from engine.request import SEED_RANGE, AudioChunk, Finished, SynthesisRequest
-from engine.serving.async_engine import FrontEnd, RequestStream
+from engine.serving.async_engine import FrontEnd, RequestHandle
 from realtime.ws.utterances import Utterance, UtterancePlanner
 
 
@@ -66,7 +66,7 @@ class SpeechContext:
         self._ended = False
         self._flushes = 0
         self._wake = asyncio.Event()
-        self._stream: RequestStream | None = None
+        self._request: RequestHandle | None = None  # the speaking utterance's engine request
         self._timers: dict[int, asyncio.TimerHandle] = {}  # utterance index -> its buffering deadline
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -99,8 +99,8 @@ class SpeechContext:
     def cancel(self) -> None:
         """Stop now; nothing more is delivered."""
         self._ended = True
-        if self._stream is not None:
-            self._stream.cancel()
+        if self._request is not None:
+            self._request.cancel()
         self._task.cancel()
         for timer in self._timers.values():
             timer.cancel()
@@ -158,13 +158,13 @@ class SpeechContext:
         if sampling is not None:
             sampling = replace(sampling, seed=(sampling.seed + utterance.index) % SEED_RANGE)
         sent = len(utterance.text)
-        self._stream = stream = self.engine.submit(
+        self._request = request = self.engine.submit(
             replace(self.template, text=utterance.text, sampling=sampling, text_complete=False))
         self._events.put_nowait(ContextText(utterance.index, utterance.text, final=False))
-        feeder = asyncio.get_running_loop().create_task(self._feed(utterance, stream.request_id, sent))
+        feeder = asyncio.get_running_loop().create_task(self._feed(utterance, request.request_id, sent))
         try:
             start = self.samples
-            async for event in stream:
+            async for event in request:
                 if isinstance(event, AudioChunk):
                     self._events.put_nowait(ContextAudio(start + event.start_sample, event.samples))
                     self.samples = max(self.samples, start + event.start_sample + len(event.samples))

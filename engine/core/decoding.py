@@ -1,0 +1,103 @@
+"""From frames to audio: the chunk schedule, the decodes queued for the requests whose chunk is due, their delivery
+as events (a request's Finished after its last chunk), and the start of a slot's codec decoder.
+
+The first chunk comes after `first_chunk_frames` frames for the shortest time to first audio, larger ones later to
+amortise the decoder. On a GPU the decodes run beside the next step's frame (`decode_overlap.py`); the per-slot
+decoder states and their batched, graphed decode are `codec_decoding.py`'s.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from engine.core.codec_decoding import DecoderPool
+from engine.core.decode_overlap import DecodeOverlap, PendingAudio
+from engine.core.isolation import isolated
+from engine.core.sequence import Sequence
+from engine.errors import VoxgateError
+from engine.model.codec_decoder import CodecDecoder
+from engine.request import AudioChunk, Event, Finished
+
+
+class Decoding:
+    def __init__(self, decoder: CodecDecoder, slots: int, device: torch.device, dtype: torch.dtype,
+                 first_chunk_frames: int, chunk_frames: int, overlap: bool, capture: bool,
+                 fail: Callable[[Sequence, VoxgateError], None]) -> None:
+        """`capture`: CUDA graphs of the decoder; `fail`: how a request whose decode raises alone ends."""
+        if first_chunk_frames < 1 or chunk_frames < 1:
+            raise ValueError("first_chunk_frames and chunk_frames must be at least 1")
+        self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
+        self.samples_per_frame = decoder.samples_per_frame
+        self.overlap = DecodeOverlap(device, overlap)
+        self.decoders = DecoderPool(decoder, slots, device, dtype, capture=capture,
+                                    chunk_lengths=self.chunk_lengths())
+        self.in_flight: list[PendingAudio] = []  # decoded chunks not yet delivered
+        self._fail = fail
+
+    def chunk_due(self, decoded_frames: int) -> int:
+        """Chunks grow with the audio already out (1, 1, 2, 4, ... frames): each one is due before the audio in
+        front of it has played, and the decoder's fixed cost is amortised as the buffer grows."""
+        return min(self.chunk_frames, max(self.first_chunk_frames, decoded_frames))
+
+    def chunk_lengths(self) -> tuple[int, ...]:
+        """Every chunk length the schedule produces (a final flush may be shorter)."""
+        lengths, decoded = [], 0
+        while not lengths or lengths[-1] < self.chunk_frames:
+            lengths.append(self.chunk_due(decoded))
+            decoded += lengths[-1]
+        return tuple(sorted(set(lengths)))
+
+    def start(self, seqs: list[Sequence]) -> None:
+        """Fresh decoder states for newly admitted requests."""
+        with self.overlap.context():  # after any decode still queued for the slot's previous request
+            for seq in seqs:
+                self.decoders.reset(seq.slot)
+                ref_codes = seq.request.voice.ref_codes
+                if ref_codes is not None and ref_codes.shape[0]:
+                    # Voice cloning: the reference frames are the decoder's left context, never heard.
+                    self.decoders.decode([seq.slot], ref_codes[None])
+
+    def queue(self, stepped: list[Sequence], held: list[Sequence]) -> None:
+        """Queue the decoding of every request whose next chunk is due, batching those with the same chunk length;
+        a held request's frames are due at once. A chunk whose length has no decoder graph goes as pieces that have
+        one, in order. A batch that raises is retried in halves down to single requests: the decoder's state is only
+        written back once a decode has run, and only a request that fails alone ends."""
+        due = [s for s in stepped if s.pending and (len(s.pending) >= self.chunk_due(s.decoded_frames) or s.done)]
+        due += [s for s in held if s.pending]
+        pieces = {seq: self.decoders.pieces(len(seq.pending)) for seq in due}
+        with self.overlap.context():
+            for piece in range(max(map(len, pieces.values()), default=0)):
+                groups: dict[int, list[Sequence]] = {}  # length -> the requests whose piece has that length
+                for seq, lengths in pieces.items():
+                    if piece < len(lengths) and seq.error is None:
+                        groups.setdefault(lengths[piece], []).append(seq)
+                for length, group in groups.items():
+                    first = {seq: sum(pieces[seq][:piece]) for seq in group}
+                    isolated(group, partial(self._decode, first=first, length=length), "decoding its audio",
+                             self._fail)
+        for seq in due:
+            seq.decoded_frames += len(seq.pending)
+            seq.pending.clear()
+
+    def _decode(self, seqs: list[Sequence], first: dict[Sequence, int], length: int) -> None:
+        """Queue the decoding of frames first[s]..first[s]+length of each request's pending frames."""
+        codes = torch.stack([torch.stack(s.pending[first[s]:first[s] + length]) for s in seqs])
+        audio = self.decoders.decode([s.slot for s in seqs], codes)
+        owners = [(s, (s.decoded_frames + first[s]) * self.samples_per_frame) for s in seqs]
+        self.in_flight.append(self.overlap.to_host(owners, audio))
+
+    def first_audio_queued(self) -> bool:
+        return any(start_sample == 0 for pending in self.in_flight for _, start_sample in pending.owners)
+
+    def collect(self, finished: list[Sequence]) -> list[Event]:
+        """The queued chunks (waiting for their decode if needed), then the Finished of `finished`."""
+        events: list[Event] = []
+        for pending in self.in_flight:
+            for (seq, start_sample), samples in zip(pending.owners, pending.wait()):
+                if not seq.cancelled:
+                    events.append(AudioChunk(seq.request_id, start_sample, samples))
+        events += [Finished(s.request_id, s.done, s.frames, s.error) for s in finished if not s.cancelled]
+        self.in_flight = []
+        return events

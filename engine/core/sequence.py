@@ -1,0 +1,49 @@
+"""One request inside the engine: its prompt, text track, progress and end, from submit to its Finished event."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import VoxgateError
+from engine.prompt import Prompt
+from engine.request import SynthesisRequest
+from engine.sampling import SamplingParams
+from engine.text.incremental import TextFeed
+
+
+@dataclass(eq=False)  # compared by identity: a sequence is one request
+class Sequence:
+    request_id: int
+    request: SynthesisRequest
+    prompt: Prompt | None  # streaming text: built at admission, from the first ids
+    sampling: SamplingParams
+    max_frames: int
+    feed: TextFeed | None = None  # streaming text
+    slot: int = -1
+    frames: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)  # frames not yet queued for decoding
+    decoded_frames: int = 0
+    done: str | None = None
+    error: VoxgateError | None = None
+    cancelled: bool = False
+    first_audio_at: float | None = None
+
+    def text_id(self) -> int | None:
+        """The text token of the next frame; None holds the request (its text has not arrived)."""
+        return self.feed.text_id(self.frames) if self.feed is not None else self.prompt.text_id(self.frames)
+
+    def runnable(self) -> bool:
+        """Its next frame can run: its text token is in."""
+        return self.text_id() is not None
+
+    def ready(self) -> bool:
+        """Its prefill has its text: the first token, or for voice cloning enough tokens to fill the reference's
+        frames (its text track is laid over them), or the end of the input."""
+        feed = self.feed
+        if feed is None or self.prompt is not None or feed.ended:
+            return True
+        voice = self.request.voice
+        if voice.ref_codes is None:
+            return len(feed.ids) >= 1
+        return len(voice.ref_text_ids) + len(feed.ids) >= voice.ref_codes.shape[0] + 1

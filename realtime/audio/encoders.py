@@ -1,0 +1,94 @@
+"""One context's audio, encoded as it comes: the model's samples resampled and cut into Opus packets, PCM s16le or
+mu-law frames.
+
+A `StreamEncoder` is stateful (resampler filter memory, Opus encoder state, a partial frame), so one context's audio
+must go through one encoder, in order; frames come out with their pts so the session can write its binary headers.
+"""
+from __future__ import annotations
+
+import numpy as np
+import opuslib_next as opuslib
+import soxr
+
+from realtime.audio.formats import MODEL_SAMPLE_RATE, AudioFormat, EncodedFrame, to_int16
+from realtime.audio.mulaw import mulaw_encode
+
+
+def _opus_encoder(fmt: AudioFormat) -> opuslib.Encoder:
+    encoder = opuslib.Encoder(fmt.sample_rate, 1, opuslib.APPLICATION_AUDIO)
+    encoder.bitrate = fmt.bitrate
+    encoder.vbr = 1
+    encoder.signal = opuslib.SIGNAL_VOICE  # the model speaks: let the encoder favour its speech modes
+    return encoder
+
+
+class StreamEncoder:
+    """One context's audio: stateful resampler + encoder."""
+
+    def __init__(self, fmt: AudioFormat):
+        self.format = fmt.check()
+        self._resampler = None
+        if fmt.sample_rate != MODEL_SAMPLE_RATE:
+            self._resampler = soxr.ResampleStream(MODEL_SAMPLE_RATE, fmt.sample_rate, 1, dtype="float32",
+                                                  quality="HQ")
+        self._opus = _opus_encoder(fmt) if fmt.encoding == "opus" else None
+        self.pre_skip = self._opus.lookahead if self._opus is not None else 0
+        self._pending = np.zeros(0, np.float32)  # output-rate samples short of a whole frame
+        self._samples_out = 0
+        self._finished = False
+
+    @property
+    def samples_out(self) -> int:
+        """Total samples emitted so far (sum of frame.samples)."""
+        return self._samples_out
+
+    def encode(self, samples: np.ndarray) -> list[EncodedFrame]:
+        """The complete frames that `samples` (float32, 24 kHz, any length) finish; the rest waits for more."""
+        if self._finished:
+            raise RuntimeError("StreamEncoder.encode() after finish()")
+        self._append(self._resample(np.asarray(samples, dtype=np.float32).reshape(-1), last=False))
+        return self._take_frames(final=False)
+
+    def finish(self) -> list[EncodedFrame]:
+        """The stream's last frames: the resampler's tail, for Opus the encoder's lookahead pushed out with silence
+        (else the decoder, which drops `pre_skip` samples at the start, would lose the end)."""
+        if self._finished:
+            return []
+        self._finished = True
+        self._append(self._resample(np.zeros(0, np.float32), last=True))
+        if self._opus is not None and (self._samples_out or len(self._pending)):
+            self._append(np.zeros(self.pre_skip, np.float32))
+        return self._take_frames(final=True)
+
+    def _resample(self, samples: np.ndarray, last: bool) -> np.ndarray:
+        if self._resampler is None:
+            return samples
+        return self._resampler.resample_chunk(samples, last=last)
+
+    def _append(self, samples: np.ndarray) -> None:
+        if len(samples):
+            self._pending = np.concatenate([self._pending, samples])
+
+    def _take_frames(self, final: bool) -> list[EncodedFrame]:
+        """Whole frames off the pending samples; with `final`, also the remainder (padded to a full Opus packet)."""
+        size = self.format.frame_samples
+        count, rest = divmod(len(self._pending), size)
+        if final and rest:
+            count += 1
+            if self._opus is not None:
+                self._append(np.zeros(size - rest, np.float32))
+        frames = [self._frame(self._pending[i * size:(i + 1) * size]) for i in range(count)]
+        self._pending = self._pending[count * size:]
+        return frames
+
+    def _frame(self, samples: np.ndarray) -> EncodedFrame:
+        pcm = to_int16(samples)
+        if self._opus is not None:
+            payload = self._opus.encode(pcm.tobytes(), len(pcm))
+        elif self.format.encoding == "mulaw":
+            payload = mulaw_encode(pcm)
+        else:
+            payload = pcm.astype("<i2").tobytes()
+        frame = EncodedFrame(payload, self._samples_out, len(pcm))
+        self._samples_out += len(pcm)
+        return frame

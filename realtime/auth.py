@@ -1,0 +1,80 @@
+"""Who may use the gateway: API keys (from flags, $VOXGATE_API_KEYS and a key file) and browser origins, checked
+the same way for HTTP requests and WebSockets, so the two cannot drift apart."""
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.requests import HTTPConnection
+
+KEYS_VARIABLE = "VOXGATE_API_KEYS"
+
+
+class AccessDenied(Exception):
+    """A connection the gateway refuses; the subclass says why (each transport words and codes it its own way)."""
+
+
+class KeyRefused(AccessDenied):
+    """No API key, or not one of the configured keys."""
+
+
+class OriginRefused(AccessDenied):
+    """A browser page from an origin that is not allowed."""
+
+
+class KeyFileError(ValueError):
+    """An API key file that cannot be read or holds no key; the message is one line naming the problem."""
+
+
+@dataclass(frozen=True)
+class Auth:
+    api_keys: tuple[str, ...] = ()  # none: open
+    allowed_origins: tuple[str, ...] = ()  # none: any
+
+    def check(self, connection: HTTPConnection, origin: bool = True) -> None:
+        """Raise KeyRefused without a valid key (`Authorization: Bearer KEY` or `?token=KEY`), and OriginRefused for
+        a browser origin that is not allowed (when `origin`)."""
+        if not self.key_accepted(_bearer(connection) or connection.query_params.get("token")):
+            raise KeyRefused()
+        if origin and not self.origin_allowed(connection.headers.get("origin")):
+            raise OriginRefused()
+
+    def key_accepted(self, key: str | None) -> bool:
+        """Compared in constant time against every key (no key configured: open)."""
+        if not self.api_keys:
+            return True
+        given = (key or "").encode()
+        return any(hmac.compare_digest(given, k.encode()) for k in self.api_keys) and bool(given)
+
+    def origin_allowed(self, origin: str | None) -> bool:
+        return not self.allowed_origins or origin is None or origin in self.allowed_origins
+
+
+def _bearer(connection: HTTPConnection) -> str | None:
+    value = connection.headers.get("authorization", "")
+    return value[7:].strip() if value.lower().startswith("bearer ") else None
+
+
+def load_api_keys(given: Iterable[str], key_file: Path | None = None) -> tuple[str, ...]:
+    """Keys given on the command line, in $VOXGATE_API_KEYS (comma-separated) and in `key_file` (one a line),
+    merged: the last two keep keys off the command line, where `ps` shows them. Raises KeyFileError."""
+    keys = list(given) + os.environ.get(KEYS_VARIABLE, "").split(",")
+    if key_file is not None:
+        keys += _key_file(key_file)
+    return tuple(dict.fromkeys(key.strip() for key in keys if key.strip()))
+
+
+def _key_file(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as failure:
+        raise KeyFileError(f"cannot read --api-key-file {path}: {failure.strerror or failure}") from None
+    except UnicodeDecodeError:
+        raise KeyFileError(f"--api-key-file {path} is not UTF-8 text") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise KeyFileError(f"--api-key-file {path} holds no key")
+    return keys

@@ -1,0 +1,44 @@
+"""The slow-consumer policy (PROTOCOL.md): a client that reads its audio slower than it is made gets one warning and
+its synthesis pauses; once a context's unsent audio passes the hard limit the session ends with a fatal error."""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from realtime.ws.outbox import Outbox, Outgoing
+from realtime.ws.protocol import ProtocolError, event
+
+HARD_LIMIT_FACTOR = 4  # unsent audio past this many send queues ends the session
+
+
+class SlowConsumerPolicy:
+    def __init__(self, outbox: Outbox, send_queue_ms: float, abort: Callable[[ProtocolError], None]) -> None:
+        """`abort` ends the session with a fatal error (the session's close code for policy violations)."""
+        self.outbox, self.send_queue_ms, self.abort = outbox, send_queue_ms, abort
+        self.hard_limit_ms = HARD_LIMIT_FACTOR * send_queue_ms
+        self._warning: Outgoing | None = None  # sent once per session
+
+    async def wait_for_room(self) -> None:
+        """Before a context encodes more audio: while the outbox holds a send queue of audio, warn and wait."""
+        if self.outbox.queued_ms >= self.send_queue_ms:
+            self._warn()
+            await self.outbox.below(self.send_queue_ms)
+
+    def check_backlog(self, waiting_ms: float) -> None:
+        """A context's synthesized audio not yet encoded: past the hard limit the client does not read at all."""
+        if waiting_ms > self.hard_limit_ms:
+            self._warn()
+            self.abort(ProtocolError("slow_consumer", "the client does not read its audio; closing", fatal=True))
+
+    def warning_first(self) -> None:
+        """A fatal error is about to go out ahead of queued audio: a warning still queued goes before it, as it
+        explains the error."""
+        if self._warning is not None:
+            self.outbox.move_to_front(self._warning)
+
+    def _warn(self) -> None:
+        if self._warning is None:
+            self._warning = Outgoing(json.dumps(event(
+                "warning", code="slow_consumer", message="the client reads audio slower than it is made; synthesis "
+                "pauses until it catches up")))
+            self.outbox.put(self._warning, urgent=True)

@@ -1,0 +1,83 @@
+"""One context's audio on the wire: encoded off the event loop into the session's format, and framed as binary
+frames (PROTOCOL.md's header) or JSON `audio` events, with pts, FIRST / LAST / DISCONTINUITY flags and sequence
+numbers continuous across the encoders a flush or mark restarts."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Callable
+
+import numpy as np
+
+from realtime.audio.encoders import StreamEncoder
+from realtime.audio.formats import MODEL_SAMPLE_RATE, AudioFormat, EncodedFrame
+from realtime.ws.outbox import Outgoing
+from realtime.ws.protocol import FLAG_DISCONTINUITY, FLAG_FIRST, FLAG_LAST, event, pack_header
+
+
+class AudioFramer:
+    def __init__(self, context_id: str, stream_id: int, fmt: AudioFormat, transport: str) -> None:
+        self.context_id, self.stream_id = context_id, stream_id
+        self.format, self.transport = fmt, transport
+        self.encoder = StreamEncoder(fmt)
+        self.sent_first = False
+        self.padding_s = 0.0  # silence the drained encoders added (a flush, a mark): later audio starts later
+        self._seq = 0
+        self._pts_base = 0  # output samples of the encoders before the current one
+        self._discontinuity = False
+        self._encoded_samples = 0  # synthesized samples given to the current encoder
+
+    @property
+    def samples_out(self) -> int:
+        """Output samples framed so far, across encoders: the pts of the next frame."""
+        return self._pts_base + self.encoder.samples_out
+
+    async def encode(self, samples: np.ndarray) -> list[EncodedFrame]:
+        """The frames these model samples complete, encoded on a worker thread (the event loop keeps serving)."""
+        frames = await asyncio.to_thread(self.encoder.encode, samples)
+        self._encoded_samples += len(samples)
+        return frames
+
+    async def finish(self) -> list[EncodedFrame]:
+        """What the encoder still holds (Opus: its lookahead, the last packet padded)."""
+        return await asyncio.to_thread(self.encoder.finish)
+
+    def restart(self) -> None:
+        """After a flush or mark drained the encoder (its frames framed): later audio starts a fresh encoder. For
+        Opus its first frame is flagged DISCONTINUITY: a decoder resets and drops `pre_skip` samples again."""
+        if not self.encoder.samples_out:
+            return
+        self._pts_base += self.encoder.samples_out
+        self.padding_s += self.encoder.samples_out / self.format.sample_rate - self._encoded_samples / MODEL_SAMPLE_RATE
+        self._encoded_samples = 0
+        self.encoder = StreamEncoder(self.format)
+        self._discontinuity = self.format.encoding == "opus"
+
+    def outgoing(self, frames: list[EncodedFrame], last: bool, on_first_sent: Callable[[], None]) -> list[Outgoing]:
+        """The frames as outbox items in order; `last` flags the final one (an empty frame if all audio already went
+        out). `on_first_sent` runs when the context's first frame leaves."""
+        if last and not frames:
+            frames = [EncodedFrame(b"", self.encoder.samples_out, 0)]
+        items = []
+        for i, frame in enumerate(frames):
+            flags = (FLAG_FIRST if not self.sent_first else 0) | (FLAG_LAST if last and i == len(frames) - 1 else 0)
+            if self._discontinuity and frame.payload:
+                flags |= FLAG_DISCONTINUITY
+                self._discontinuity = False
+            first = not self.sent_first
+            self.sent_first = True
+            items.append(Outgoing(self._payload(frame, self._pts_base + frame.pts, flags), self.context_id,
+                                  frame.samples / self.format.sample_rate * 1000, on_first_sent if first else None))
+        return items
+
+    def _payload(self, frame: EncodedFrame, pts: int, flags: int) -> str | bytes:
+        if self.transport == "binary":
+            return pack_header(flags, self.stream_id, pts) + frame.payload
+        message = event("audio", context_id=self.context_id, seq=self._seq,
+                        pts_ms=round(pts / self.format.sample_rate * 1000, 3),
+                        duration_ms=round(frame.samples / self.format.sample_rate * 1000, 3),
+                        data=base64.b64encode(frame.payload).decode("ascii"),
+                        first=True if flags & FLAG_FIRST else None, last=True if flags & FLAG_LAST else None)
+        self._seq += 1
+        return json.dumps(message)

@@ -1,0 +1,27 @@
+"""A session's configuration: the socket's query-string defaults, then `session.start` merged over them field by
+field, allowed only until the first text (PROTOCOL.md)."""
+from __future__ import annotations
+
+from typing import Any
+
+from realtime.ws.protocol import ProtocolError, SessionChecks, SessionConfig, configure
+
+
+class SessionSettings:
+    def __init__(self, config: SessionConfig, checks: SessionChecks) -> None:
+        self.config, self.checks = config, checks
+        self.text_started = False  # session.start is refused from then on
+
+    def start(self, message: dict[str, Any]) -> list[ProtocolError]:
+        """Merge a session.start; returns the errors of refused fields (the others apply). Raises ProtocolError
+        after the first text, changing nothing."""
+        if self.text_started:
+            raise ProtocolError("invalid_message", "session.start must come before the first text.append; "
+                                                   "nothing was changed")
+        self.config, errors = configure(self.config, message, self.checks)
+        return errors
+
+    def context_fields(self, message: dict[str, Any]) -> tuple[str | None, str | None, str]:
+        """A new context's voice, instructions and language: its first text.append's, else the session's."""
+        return (message.get("voice") or self.config.voice, message.get("instructions") or self.config.instructions,
+                message.get("language") or self.config.language)
