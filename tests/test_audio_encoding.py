@@ -1,4 +1,4 @@
-"""realtime/audio.py against real libopus, soxr and libsndfile: what a client decodes must be the model's audio,
+"""realtime/audio/ against real libopus, soxr and libsndfile: what a client decodes must be the model's audio,
 whole (no lost tail), at the announced rate, in frames of the announced size."""
 from __future__ import annotations
 
@@ -11,23 +11,20 @@ import pytest
 import soundfile
 import soxr
 
-from realtime.audio import (
+from realtime.audio.encoders import StreamEncoder
+from realtime.audio.files import encode_file, mp3_available
+from realtime.audio.formats import (
     DEFAULT_RATES,
     HTTP_FORMATS,
     MODEL_SAMPLE_RATE,
     SAMPLE_RATES,
     AudioFormat,
     EncodedFrame,
-    StreamEncoder,
     UnsupportedFormat,
-    encode_file,
-    mp3_available,
-    mulaw_decode,
-    mulaw_encode,
-    ogg_crc,
-    ogg_opus,
     to_int16,
 )
+from realtime.audio.mulaw import mulaw_decode, mulaw_encode
+from realtime.audio.ogg import ogg_crc, ogg_opus
 
 LENGTH = int(1.234 * MODEL_SAMPLE_RATE)  # not a whole number of frames at any rate
 

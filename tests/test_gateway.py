@@ -15,7 +15,7 @@ import soundfile as sf
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from realtime.audio import mulaw_decode
+from realtime.audio.mulaw import mulaw_decode
 from realtime.gateway import Limits
 from tests.gateway_server import running_server
 

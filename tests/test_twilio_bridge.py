@@ -11,7 +11,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 
-from realtime.audio import mulaw_decode
+from realtime.audio.mulaw import mulaw_decode
 from scripts.twilio_bridge import TwilioBridge, fixed_text
 from tests.gateway_server import running_server
 
