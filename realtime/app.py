@@ -140,9 +140,10 @@ async def _body(request: Request, max_bytes: int) -> bytes:
 async def _speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarray]) -> Response:
     """Streamed formats start once the first audio is made, so that a request failing before any audio gets its
     error status instead of an empty 200."""
-    if not (spoken.sse or spoken.response_format == "pcm"):
+    if not spoken.stream:
         body, media_type = await whole_file(chunks, spoken.response_format)
-        return Response(body, media_type=media_type)
+        pcm_rate = {"X-Sample-Rate": str(MODEL_SAMPLE_RATE)} if spoken.response_format == "pcm" else None
+        return Response(body, media_type=media_type, headers=pcm_rate)
     first = await anext(chunks, None)
     if spoken.sse:
         return StreamingResponse(sse_events(_prepend(first, chunks)), media_type="text/event-stream")

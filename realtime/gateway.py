@@ -18,7 +18,7 @@ import torch
 
 from engine.core.engine import Engine, EngineConfig
 from engine.errors import EngineFailed, VoxgateError
-from engine.model_source import resolve_model
+from engine.model_source import is_hub_id, official_hub_id, resolve_model
 from engine.prompt import Voice
 from engine.request import Finished, SynthesisRequest
 from engine.sampling import SamplingParams
@@ -95,6 +95,7 @@ class Gateway:
         self.failure: str | None = None
         self.tts: TTSModel | None = None
         self._model_name = "loading"
+        self.hub_id: str | None = None  # the hub id the model came from, or its official one; None: not known
         self.voices: VoiceCatalog | None = None
         self.engine: AsyncEngine | ProcessEngine | None = None
         self.sessions: set = set()
@@ -114,6 +115,11 @@ class Gateway:
     @property
     def model_name(self) -> str:
         return self._model_name
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """What a request's `model` may name to mean this model: the announced name and the hub id, where known."""
+        return tuple(dict.fromkeys(name for name in (self._model_name, self.hub_id) if name))
 
     async def start(self) -> None:
         """Load, build the engine, warm up; a failure is fatal (`on_fatal`), never raised into the server."""
@@ -137,9 +143,11 @@ class Gateway:
     def _load(self) -> tuple[TTSModel, VoiceCatalog]:
         from engine.synthetic.checkpoints import default_model_dir
 
-        model_dir, name = resolve_model(self.options.model or default_model_dir())
+        spec = self.options.model or default_model_dir()
+        model_dir, name = resolve_model(spec)
         tts = TTSModel.load(model_dir, device=self.options.device, dtype=self._dtype())
         self._model_name = name
+        self.hub_id = str(spec) if is_hub_id(spec) else official_hub_id(tts.config, tts.speech)
         return tts, VoiceCatalog(tts, list(self.options.clone_voices))
 
     def _gpu(self) -> bool:
@@ -256,9 +264,11 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def template(self, voice: Voice, language: str, sampling: Sampling) -> SynthesisRequest:
-        """A context's request without text; raises VoiceError for an unknown language."""
-        return SynthesisRequest("", voice, language=self.voices.resolve_language(language), layout="streaming",
+    def template(self, voice: Voice, language: str, sampling: Sampling, layout: str = "streaming"
+                 ) -> SynthesisRequest:
+        """A context's request without text (`layout`: engine/prompt.py's TEXT_LAYOUTS; streaming starts speaking
+        soonest); raises VoiceError for an unknown language."""
+        return SynthesisRequest("", voice, language=self.voices.resolve_language(language), layout=layout,
                                 sampling=self._sampling(sampling), text_complete=False,
                                 clean_text=self.options.clean_text)
 

@@ -1,5 +1,6 @@
 """`POST /v1/audio/speech`, OpenAI-compatible: the whole input spoken with one voice, returned as a file, as raw
-PCM streamed while it is made, or as OpenAI's server-sent `speech.audio.delta` events."""
+PCM streamed while it is made, or as OpenAI's server-sent `speech.audio.delta` events. It also takes what tools
+written for the official Qwen3-TTS server send: the model's hub id, `stream` and `non_streaming_mode`."""
 from __future__ import annotations
 
 import base64
@@ -19,6 +20,11 @@ from realtime.ws.speech_context import ContextAudio, ContextEnd
 
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 SPEED_RANGE = (0.25, 4.0)  # OpenAI's
+STREAMED_FORMATS = ("pcm",)  # sent as they are made; the others are encoded whole once the audio is done
+# Qwen3-TTS's own `non_streaming_mode` -> the engine's text layout (engine/prompt.py TEXT_LAYOUTS): all the text in
+# the prompt, or fed a token per frame
+TEXT_LAYOUT_OF_NON_STREAMING_MODE = {True: "prefill", False: "streaming"}
+DEFAULT_LAYOUT = "streaming"  # the gateway's: it starts speaking soonest
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class SpeechRequest:
     response_format: str
     sse: bool
     seed: int | None
+    stream: bool = True  # the audio goes out as it is made; False: one body once it is all made
+    layout: str = DEFAULT_LAYOUT
 
 
 STRING_FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "language")
@@ -54,9 +62,7 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
                           "input is required: the text to speak")
     if len(text) > gateway.limits.max_text_chars:
         raise HTTPFailure(400, "text_too_long", f"input takes at most {gateway.limits.max_text_chars} characters")
-    model = body.get("model")
-    if model is not None and model not in (gateway.model_name, *OPENAI_MODEL_NAMES):
-        raise _bad(f"unknown model {model[:64]!r}; this server serves {gateway.model_name!r}")
+    _check_model(body.get("model"), gateway)
     _check_speed(body.get("speed", 1.0))
     response_format = body.get("response_format") or "wav"
     if response_format not in HTTP_FORMATS or (response_format == "mp3" and not mp3_available()):
@@ -72,8 +78,9 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise _bad(f"seed must be an integer from 0 to {MAX_SEED}")
+    sse = stream_format == "sse"
     return SpeechRequest(text, body.get("voice"), body.get("instructions"), body.get("language") or "auto",
-                         response_format, stream_format == "sse", seed)
+                         response_format, sse, seed, _stream(body, response_format, sse), _layout(body))
 
 
 def _check_strings(body: dict) -> None:
@@ -84,6 +91,43 @@ def _check_strings(body: dict) -> None:
             check_limit(name, body.get(name) or "", limits=FIELD_LIMITS_HTTP)
         except ProtocolError as failure:
             raise HTTPFailure.of(failure) from None
+
+
+def _check_model(model: str | None, gateway: Gateway) -> None:
+    """The served model by its announced name or hub id (`Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice`, what tools written
+    for the official model send), or one of OpenAI's names."""
+    accepted = (*gateway.model_names, *OPENAI_MODEL_NAMES)
+    if model is not None and model not in accepted:
+        raise _bad(f"unknown model {model[:64]!r}; this server serves {gateway.model_name!r}: use one of "
+                   f"{', '.join(accepted)}")
+
+
+def _stream(body: dict, response_format: str, sse: bool) -> bool:
+    """`stream`: true sends the audio as it is made, false as one body; absent, the formats that can stream do."""
+    stream = _optional_bool(body, "stream")
+    if stream is None:
+        return sse or response_format in STREAMED_FORMATS
+    if stream and not sse and response_format not in STREAMED_FORMATS:
+        streamed = " or ".join(f'"{name}"' for name in STREAMED_FORMATS)
+        raise HTTPFailure(400, "unsupported_format", f"stream: true needs a format that streams: response_format "
+                                                     f"{streamed} (or stream_format \"sse\"); \"{response_format}\" "
+                                                     "is sent whole: leave stream out or set it to false")
+    if not stream and sse:
+        raise _bad("stream_format \"sse\" streams its events: leave stream out or set it to true")
+    return stream
+
+
+def _layout(body: dict) -> str:
+    """The engine's text layout from Qwen3-TTS's `non_streaming_mode`; absent, the gateway's."""
+    non_streaming_mode = _optional_bool(body, "non_streaming_mode")
+    return DEFAULT_LAYOUT if non_streaming_mode is None else TEXT_LAYOUT_OF_NON_STREAMING_MODE[non_streaming_mode]
+
+
+def _optional_bool(body: dict, name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(f"{name} must be a boolean (true or false)")
+    return value
 
 
 def _bad(message: str) -> HTTPFailure:
@@ -103,7 +147,7 @@ def start_speech(request: SpeechRequest, gateway: Gateway) -> AsyncIterator[np.n
     language at once."""
     try:
         voice = gateway.voices.resolve(request.voice, request.instructions)
-        template = gateway.template(voice, request.language, Sampling(seed=request.seed))
+        template = gateway.template(voice, request.language, Sampling(seed=request.seed), request.layout)
     except VoiceError as failure:  # an unknown voice or language
         raise HTTPFailure(400, failure.code, str(failure)) from None
     speech = gateway.speech_context(template, "none", 0)

@@ -1,8 +1,9 @@
 """A context: text that keeps arriving, spoken as a sequence of utterances with one continuous audio timeline.
 
 The gateway's contexts sit on this. Text goes through an `UtterancePlanner` (buffering, utterance boundaries);
-each utterance becomes one streaming-text request of the engine's front end, run one after another so that the audio
-stays in order and sample positions keep counting across utterances. Flushes and marks are reported right after
+each utterance becomes one streaming-text request of the engine's front end (in the prefill text layout, one
+complete-text request once the utterance closes), run one after another so that the audio stays in order and
+sample positions keep counting across utterances. Flushes and marks are reported right after
 the last audio of the utterance they closed. With a seed, utterance k samples with seed + k (modulo 2**63), so the
 context's audio depends only on its text, its flush / mark / end points, its voice and its seed. Whatever fails, the
 context ends with a `ContextEnd` carrying the typed error.
@@ -157,11 +158,16 @@ class SpeechContext:
         sampling = self.template.sampling
         if sampling is not None:
             sampling = replace(sampling, seed=(sampling.seed + utterance.index) % SEED_RANGE)
+        whole = self.template.layout == "prefill"  # all its text goes into the prompt: it waits for the close
+        while whole and not utterance.closed:
+            self._wake.clear()
+            await self._wake.wait()
         sent = len(utterance.text)
         self._request = request = self.engine.submit(
-            replace(self.template, text=utterance.text, sampling=sampling, text_complete=False))
-        self._events.put_nowait(ContextText(utterance.index, utterance.text, final=False))
-        feeder = asyncio.get_running_loop().create_task(self._feed(utterance, request.request_id, sent))
+            replace(self.template, text=utterance.text, sampling=sampling, text_complete=whole))
+        self._events.put_nowait(ContextText(utterance.index, utterance.text, final=whole))
+        feeder = None if whole else asyncio.get_running_loop().create_task(
+            self._feed(utterance, request.request_id, sent))
         try:
             start = self.samples
             async for event in request:
@@ -171,7 +177,8 @@ class SpeechContext:
                 elif isinstance(event, Finished) and event.reason == "error":
                     return event.error or SynthesisFailed("synthesis failed")
         finally:
-            feeder.cancel()
+            if feeder is not None:
+                feeder.cancel()
         return None
 
     async def _feed(self, utterance: Utterance, request_id: int, sent: int) -> None:
