@@ -124,6 +124,9 @@ class GenerationDefaults:
 
 
 MODEL_TYPES = ("base", "custom_voice", "voice_design")
+# config.json's mark of a random-weight checkpoint (`voxgate make-checkpoint`): benchmark-only settings that would cut
+# a real model's speech (EngineConfig.synthetic_frames_per_token) are refused without it.
+RANDOM_WEIGHTS_KEY = "voxgate_random_weights"
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,7 @@ class ModelConfig:
     tts_bos_token_id: int
     tts_eos_token_id: int
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    random_weights: bool = False  # config.json has RANDOM_WEIGHTS_KEY: true (written by engine/synthetic only)
 
     @property
     def languages(self) -> list[str]:
@@ -238,6 +242,7 @@ def parse_model_config(data: dict[str, Any], generation: dict[str, Any] | None =
         tts_bos_token_id=int(data.get("tts_bos_token_id", 151672)),
         tts_eos_token_id=int(data.get("tts_eos_token_id", 151673)),
         generation=GenerationDefaults(**_dataclass_kwargs(GenerationDefaults, generation or {})),
+        random_weights=data.get(RANDOM_WEIGHTS_KEY) is True,
     )
 
 

@@ -13,6 +13,11 @@ class CheckpointError(VoxgateError):
     """A checkpoint directory is missing a file, or a file is malformed."""
 
 
+class BenchmarkOnlyError(VoxgateError, ValueError):
+    """A benchmark-only setting with a value out of range, or asked of a checkpoint it could harm (one not marked
+    as random weights): refused before anything runs."""
+
+
 class RequestError(VoxgateError):
     """A synthesis request asks for something this model cannot do (bad voice, bad language, bad text, ...)."""
 

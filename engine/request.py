@@ -6,12 +6,14 @@ own typed error."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.errors import EmptyText, RequestError, VoxgateError
+from engine.config import RANDOM_WEIGHTS_KEY, ModelConfig
+from engine.errors import BenchmarkOnlyError, EmptyText, RequestError, VoxgateError
 from engine.prompt import TEXT_LAYOUTS, Voice
 from engine.sampling import SamplerParams, SamplingParams
 
@@ -31,6 +33,43 @@ class RunawayGuard:
 
     def limit(self, text_tokens: int) -> int:
         return max(self.min_frames, math.ceil(self.frames_per_token * text_tokens))
+
+
+EOS_BANNED = 2**31 - 1  # a min_new_frames that bans EOS for good (the largest check_sampling allows)
+
+
+@dataclass(frozen=True)
+class SyntheticLength:
+    """Benchmark-only: a random-weight checkpoint never emits EOS, so each request would run to the runaway guard
+    (~3x real speech). This holds each request to exactly ceil(frames_per_token x its text tokens) frames, or its
+    explicit max_frames if fewer, with no floor and with EOS banned so that nothing ends it sooner."""
+
+    frames_per_token: float
+
+    def __post_init__(self) -> None:
+        check_frames_per_token(self.frames_per_token, "synthetic_frames_per_token")
+
+    @classmethod
+    def for_model(cls, frames_per_token: float, config: ModelConfig, model: str,
+                  option: str = "synthetic_frames_per_token") -> SyntheticLength:
+        """Refused (BenchmarkOnlyError, a ValueError) for a checkpoint not marked as random weights, so that it can
+        never cut a real model's speech; `model` and `option` name the checkpoint and the setting in the message."""
+        check_frames_per_token(frames_per_token, option)
+        if not config.random_weights:
+            raise BenchmarkOnlyError(f"{option} is benchmark-only and needs a random-weight checkpoint (config.json "
+                                     f"with \"{RANDOM_WEIGHTS_KEY}\": true, as voxgate make-checkpoint writes); "
+                                     f"{model} is not marked as one")
+        return cls(frames_per_token)
+
+    def limit(self, text_tokens: int, max_frames: int | None = None) -> int:
+        """The request's frames. The product is taken as the number was written (0.1 x 30 tokens is 3 frames, not
+        the 4 of binary rounding)."""
+        exact = math.ceil(Fraction(repr(float(self.frames_per_token))) * text_tokens)
+        return exact if max_frames is None else min(max_frames, exact)
+
+    def sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """EOS banned: the length alone ends the request."""
+        return replace(sampling, min_new_frames=EOS_BANNED)
 
 
 @dataclass(frozen=True)
@@ -115,6 +154,12 @@ def _check_sampler(name: str, sampler: SamplerParams) -> None:
         raise RequestError(f"{name} top_k must be a non-negative integer")
     if not (_is_number(sampler.top_p) and 0 <= sampler.top_p <= 1):
         raise RequestError(f"{name} top_p must be a number from 0 to 1")
+
+
+def check_frames_per_token(value: object, option: str) -> None:
+    """A synthetic length's frames per token (SyntheticLength): positive and finite."""
+    if not (_is_number(value) and value > 0):
+        raise BenchmarkOnlyError(f"{option} must be a positive finite number, not {value!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -18,7 +18,7 @@ from engine.model.codec_decoder import CodecDecoder
 from engine.model.talker import Talker
 from engine.prompt import TEXT_LAYOUTS, Prompt, PromptBuilder, Voice
 from engine.reference import generate_frames
-from engine.request import RunawayGuard, check_text
+from engine.request import RunawayGuard, SyntheticLength, check_text
 from engine.sampling import SamplingParams
 from engine.text.tokenizer import TextTokenizer, load_tokenizer
 
@@ -195,20 +195,25 @@ class TTSModel:
 
     def plan(self, text: str, voice: Voice, *, language: str = "auto", layout: str | None = None,
              sampling: SamplingParams | None = None, max_frames: int | None = None,
-             guard: RunawayGuard = RunawayGuard()) -> Plan:
+             guard: RunawayGuard = RunawayGuard(), length: SyntheticLength | None = None) -> Plan:
         """The prompt, the sampling (the checkpoint's defaults unless given) and the frame limit (the runaway
-        guard's unless given) of a request."""
+        guard's unless given) of a request; with a synthetic `length` (benchmarks), its exact length instead of the
+        guard, and EOS banned."""
         prompt, text_tokens = self.prompt(text, voice, language, layout)
-        limit = max_frames if max_frames is not None else guard.limit(text_tokens)
+        sampling = sampling or SamplingParams.from_defaults(self.config.generation)
+        if length is not None:
+            limit, sampling = length.limit(text_tokens, max_frames), length.sampling(sampling)
+        else:
+            limit = max_frames if max_frames is not None else guard.limit(text_tokens)
         if limit < 1:
             raise RequestError("max_frames must be at least 1")
-        return Plan(prompt, sampling or SamplingParams.from_defaults(self.config.generation), limit)
+        return Plan(prompt, sampling, limit)
 
     def synthesize(self, text: str, voice: Voice, *, language: str = "auto", layout: str | None = None,
                    sampling: SamplingParams | None = None, max_frames: int | None = None,
-                   guard: RunawayGuard = RunawayGuard()) -> Synthesis:
+                   guard: RunawayGuard = RunawayGuard(), length: SyntheticLength | None = None) -> Synthesis:
         plan = self.plan(text, voice, language=language, layout=layout, sampling=sampling, max_frames=max_frames,
-                         guard=guard)
+                         guard=guard, length=length)
         frames = list(generate_frames(self.talker, plan.prompt, plan.sampling, plan.max_frames))
         codes = (torch.stack(frames) if frames else
                  torch.zeros(0, self.config.talker.num_code_groups, dtype=torch.long, device=self.device))

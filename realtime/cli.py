@@ -28,6 +28,8 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="seed for sampling")
     p.add_argument("--max-frames", type=int, help="at most this many 80 ms frames (replaces the runaway guard)")
     p.add_argument("--text-layout", choices=["prefill", "streaming"], help="default: the reference's per mode")
+    p.add_argument("--synthetic-frames-per-token", type=float, metavar="X",
+                   help="benchmark-only, random-weight checkpoints: exactly ceil(X x text tokens) frames (default off)")
     p.add_argument("--codes-out", type=Path, help="also write the codes as an int array [frames, 16] (.npy)")
     p.add_argument("--device", default="cpu")
     p.add_argument("-o", "--output", type=Path, required=True, help="output WAV file")
@@ -49,7 +51,9 @@ def run_synth(args: argparse.Namespace) -> None:
     import numpy as np
     import soundfile as sf
 
+    from engine.config import load_model_config
     from engine.model_source import resolve_model
+    from engine.request import SyntheticLength
     from engine.sampling import SamplingParams
     from engine.synthetic.checkpoints import default_model_dir
     from engine.tts import TTSModel, VoiceRequest
@@ -57,6 +61,9 @@ def run_synth(args: argparse.Namespace) -> None:
     if args.max_frames is not None and args.max_frames < 1:
         raise VoxgateError("--max-frames must be at least 1")
     model_dir, _ = resolve_model(args.model or default_model_dir())
+    length = (None if args.synthetic_frames_per_token is None else
+              SyntheticLength.for_model(args.synthetic_frames_per_token, load_model_config(model_dir), str(model_dir),
+                                        "--synthetic-frames-per-token"))
     started = time.perf_counter()
     tts = TTSModel.load(model_dir, device=args.device)
     speaker = args.speaker
@@ -66,7 +73,7 @@ def run_synth(args: argparse.Namespace) -> None:
                                    ref_text=args.ref_text, x_vector_only=args.x_vector_only))
     sampling = SamplingParams.from_defaults(tts.config.generation, greedy=args.greedy, seed=args.seed)
     result = tts.synthesize(args.text, voice, language=args.language, layout=args.text_layout,
-                            sampling=sampling, max_frames=args.max_frames)
+                            sampling=sampling, max_frames=args.max_frames, length=length)
     sf.write(args.output, result.audio, result.sample_rate, subtype="PCM_16")
     if args.codes_out:
         np.save(args.codes_out, result.codes.numpy().astype(np.int64))
@@ -113,6 +120,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llm-model", help="the model name sent to --llm-url")
     p.add_argument("--llm-api-key", help="API key for --llm-url (or $VOXGATE_LLM_API_KEY)")
     p.add_argument("--llm-system-prompt", default=DEFAULT_SYSTEM_PROMPT)
+    p.add_argument("--synthetic-frames-per-token", type=float, metavar="X",
+                   help="benchmark-only: each utterance ends at exactly ceil(X x its text tokens) frames (a random-"
+                        "weight checkpoint never emits EOS); refused for a checkpoint not marked random; None: off")
     p.set_defaults(run=run_serve)
 
 
@@ -142,7 +152,8 @@ def run_serve(args: argparse.Namespace) -> int:
     llm_key = args.llm_api_key or os.environ.get("VOXGATE_LLM_API_KEY") or None
     llm = LLMConfig(args.llm_url, args.llm_model, llm_key, args.llm_system_prompt) if args.llm_url else None
     options = GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm, dtype=args.dtype,
-                             engine_process={"auto": None, "on": True, "off": False}[args.engine_process])
+                             engine_process={"auto": None, "on": True, "off": False}[args.engine_process],
+                             synthetic_frames_per_token=args.synthetic_frames_per_token)
     try:
         return serve(options, args.host, args.port)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from engine.config import load_model_config
 from engine.core.engine import Engine, EngineConfig
 from engine.errors import EngineFailed, VoxgateError
 from engine.model_source import is_hub_id, official_hub_id, resolve_model
 from engine.prompt import Voice
-from engine.request import Finished, SynthesisRequest
+from engine.request import Finished, SynthesisRequest, SyntheticLength, check_frames_per_token
 from engine.sampling import SamplingParams
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.process_engine import EngineSpec, ProcessEngine
@@ -67,13 +68,16 @@ class GatewayOptions:
     dtype: str = "auto"  # "auto": bfloat16 on a GPU, float32 on the CPU
     engine_process: bool | None = None  # the engine in a child process; None: on a GPU
     engine_setup: Callable[[Engine], None] | None = None  # run on each engine built (EngineSpec.setup): test faults
+    synthetic_frames_per_token: float | None = None  # benchmark-only, random-weight checkpoints (EngineConfig)
 
 
 def check_options(options: GatewayOptions) -> None:
-    """What can be told before serving anything: the model exists and the device does; raises VoxgateError with
-    one line naming the problem (a checkpoint that is there but cannot load fails the start-up, which exits)."""
-    if options.model is not None:
-        resolve_model(options.model)
+    """What can be told before serving anything: the model exists and the device does, a synthetic length goes with
+    a random-weight checkpoint; raises VoxgateError with one line naming the problem (a checkpoint that is there but
+    cannot load fails the start-up, which exits)."""
+    model_dir = resolve_model(options.model)[0] if options.model is not None else None
+    if options.synthetic_frames_per_token is not None:
+        _check_synthetic_length(options.synthetic_frames_per_token, model_dir)
     try:
         device = torch.device(options.device)
     except RuntimeError:
@@ -84,6 +88,15 @@ def check_options(options: GatewayOptions) -> None:
             raise VoxgateError(f"--device {options.device}: no such CUDA device (this machine has {count})")
     elif device.type != "cpu":
         raise VoxgateError(f"--device {options.device}: only cpu and cuda devices are served")
+
+
+def _check_synthetic_length(frames_per_token: float, model_dir: Path | None) -> None:
+    """Benchmark-only: refused for a checkpoint not marked as random weights, so that it never cuts real speech (the
+    embedded tiny model, `model_dir` None, is random; the engine checks it again when it is built)."""
+    option = "--synthetic-frames-per-token"
+    check_frames_per_token(frames_per_token, option)
+    if model_dir is not None:
+        SyntheticLength.for_model(frames_per_token, load_model_config(model_dir), str(model_dir), option)
 
 
 class Gateway:
@@ -183,10 +196,11 @@ class Gateway:
     def _engine_config(self) -> EngineConfig:
         gpu = self._gpu()
         slots = self.options.max_batch or (64 if gpu else 8)
+        synthetic = self.options.synthetic_frames_per_token
         if gpu:
             return EngineConfig(max_batch=slots, step_mode="graphs", attention_backend="triton",
-                                frame_path="triton")
-        return EngineConfig(max_batch=slots)
+                                frame_path="triton", synthetic_frames_per_token=synthetic)
+        return EngineConfig(max_batch=slots, synthetic_frames_per_token=synthetic)
 
     async def _warm_up(self) -> None:
         request = self.template(self.voices.resolve(None, "a calm voice" if self.voices.variant == "voice_design"

@@ -46,6 +46,7 @@ from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (  # no
 )
 from transformers.models.mimi.modeling_mimi import MimiEuclideanCodebook, MimiLayerScale  # noqa: E402
 
+from engine.config import RANDOM_WEIGHTS_KEY  # noqa: E402
 from engine.synthetic.configs import GENERATION_CONFIG, SPEECH_PREPROCESSOR, model_config, speech_tokenizer_config  # noqa: E402
 from engine.synthetic.tokenizer_files import write_tokenizer_files  # noqa: E402
 
@@ -198,6 +199,7 @@ def build_reference_checkpoint(out_dir: Path, variant: str, seed: int = 0) -> Pa
     if "speaker_encoder_config" in config:  # the reference's loader rejects everything but the constructor args
         config["speaker_encoder_config"] = {k: v for k, v in config["speaker_encoder_config"].items()
                                             if k in SPEAKER_ENCODER_KEYS}
+    config[RANDOM_WEIGHTS_KEY] = True  # random weights, marked as ours are: the reference loads it as an extra key
     config_path.write_text(json.dumps(config, indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
     (out_dir / "speech_tokenizer" / "preprocessor_config.json").write_text(json.dumps(SPEECH_PREPROCESSOR, indent=2))

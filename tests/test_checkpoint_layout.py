@@ -12,8 +12,10 @@ from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSForConditionalGenera
 from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
 from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
 
-from engine.synthetic.checkpoints import tensor_shapes
+from engine.config import RANDOM_WEIGHTS_KEY
+from engine.synthetic.checkpoints import tensor_shapes, write_random_checkpoint
 from engine.synthetic.configs import SIZES, VARIANTS, model_config, speech_tokenizer_config
+from engine.tts import TTSModel
 
 
 def reference_shapes(size: str, variant: str) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -40,3 +42,15 @@ def test_real_sizes_match_the_audited_parameter_counts() -> None:
     decoder = {k: s for k, s in shapes["speech_tokenizer/model.safetensors"].items() if k.startswith("decoder.")}
     assert len(decoder) == 271
     assert sum(torch.Size(s).numel() for s in decoder.values()) == 114_323_137
+
+
+def test_the_random_weights_mark_loads_in_ours_and_in_the_reference(tmp_path) -> None:
+    """make-checkpoint marks its config.json; a transformers config keeps the extra key and builds the same model."""
+    path = write_random_checkpoint(tmp_path / "ckpt", "tiny", "voice_design")
+    assert TTSModel.load(path).config.random_weights
+    config = Qwen3TTSConfig.from_pretrained(path)
+    assert getattr(config, RANDOM_WEIGHTS_KEY) is True
+    with torch.device("meta"):
+        model = Qwen3TTSForConditionalGeneration(config)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == reference_shapes("tiny", "voice_design")[
+        "model.safetensors"]

@@ -1,8 +1,12 @@
 """The `voxgate synth` and `voxgate make-checkpoint` commands, run as a user runs them (a subprocess)."""
+import json
+import math
 import os
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +97,7 @@ def test_make_checkpoint_writes_the_official_layout(tmp_path):
     assert files == ["config.json", "generation_config.json", "merges.txt", "model.safetensors",
                      "speech_tokenizer/config.json", "speech_tokenizer/model.safetensors",
                      "speech_tokenizer/preprocessor_config.json", "tokenizer_config.json", "vocab.json"]
+    assert json.loads((out / "config.json").read_text())["voxgate_random_weights"] is True  # random weights, marked
 
 
 def test_serve_runs_the_readme_command_and_stops_cleanly():
@@ -133,3 +138,52 @@ def test_serve_refuses_bad_limits():
     assert run.returncode == 2 and "NAME=WAV" in run.stderr
     run = voxgate("serve", "--llm-url", "http://127.0.0.1:9/v1")
     assert run.returncode == 2 and "--llm-url and --llm-model go together" in run.stderr
+
+
+def unmarked_checkpoint(tiny_checkpoints, tmp_path: Path) -> Path:
+    """A tiny checkpoint whose config.json lacks the random-weights mark, as a real checkpoint's does."""
+    path = tmp_path / "unmarked"
+    shutil.copytree(tiny_checkpoints["custom_voice"], path)
+    config = json.loads((path / "config.json").read_text())
+    del config["voxgate_random_weights"]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_serve_refuses_synthetic_lengths_for_a_checkpoint_not_marked_random(tiny_checkpoints, tmp_path):
+    """Before serving anything: exit 2 and one line naming the option and the checkpoint."""
+    from tests.server_process import free_port
+
+    model = unmarked_checkpoint(tiny_checkpoints, tmp_path)
+    started = time.monotonic()
+    run = voxgate("serve", "--model", model, "--port", free_port(), "--synthetic-frames-per-token", "2.5")
+    assert run.returncode == 2 and time.monotonic() - started < 60
+    errors = [line for line in run.stderr.splitlines() if line.startswith("voxgate: error:")]
+    assert len(errors) == 1 and "Traceback" not in run.stderr and "Uvicorn running" not in run.stderr
+    assert "--synthetic-frames-per-token is benchmark-only" in errors[0] and f"{model} is not marked" in errors[0]
+    synth = voxgate("synth", "--model", model, "--speaker", "vivian", "--text", "Hi.", "-o", tmp_path / "x.wav",
+                    "--synthetic-frames-per-token", "2")
+    assert synth.returncode == 2 and f"{model} is not marked" in synth.stderr and not (tmp_path / "x.wav").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_serve_refuses_a_non_positive_or_non_finite_synthetic_length(value):
+    run = voxgate("serve", "--synthetic-frames-per-token", value)
+    assert run.returncode == 2 and "--synthetic-frames-per-token must be a positive finite number" in run.stderr
+
+
+def test_serve_holds_each_utterance_to_its_synthetic_length(tiny_checkpoints, tmp_path):
+    """A real server on a marked checkpoint: the speech endpoint's audio is exactly ceil(X x tokens) frames."""
+    from engine.tts import TTSModel
+    from tests.server_process import server_process
+
+    model, text, x = tiny_checkpoints["custom_voice"], "Hello there, this is a benchmark.", 1.5
+    tokens = len(TTSModel.load(model).tokenizer.target(text)[1])
+    options = ["--model", str(model), "--synthetic-frames-per-token", str(x), "--max-batch", "2"]
+    with server_process(options, tmp_path / "server.log") as server:
+        body = json.dumps({"input": text, "voice": "vivian", "response_format": "pcm", "seed": 1}).encode()
+        request = urllib.request.Request(server.http + "/v1/audio/speech", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            pcm = response.read()
+    assert len(pcm) == math.ceil(x * tokens) * 1920 * 2  # 16-bit samples, 1920 a frame

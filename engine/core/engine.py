@@ -28,7 +28,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.errors import EmptyText, EngineFailed, RequestError, TextTooLong, VoxgateError
 from engine.prompt import Prompt
-from engine.request import Event, RunawayGuard, SynthesisRequest, check_request, check_text
+from engine.request import Event, RunawayGuard, SynthesisRequest, SyntheticLength, check_request, check_text
 from engine.sampling import SamplingParams
 from engine.text.cleanup import clean_text
 from engine.text.incremental import TextFeed
@@ -53,12 +53,17 @@ class EngineConfig:
     scheduling: str = "deadline"  # which requests step when more are runnable than max_step_batch (scheduler.py)
     max_step_batch: int | None = None  # None: every runnable request steps
     guard: RunawayGuard = field(default_factory=RunawayGuard)
+    # Benchmark-only, for random-weight checkpoints (never EOS): each request makes exactly ceil(this x its text
+    # tokens) frames (its max_frames if fewer) instead of running to the guard. Refused for an unmarked checkpoint.
+    synthetic_frames_per_token: float | None = None
 
 
 class Engine:
     def __init__(self, tts: TTSModel, config: EngineConfig | None = None) -> None:
         self.tts = tts
         self.config = config = config or EngineConfig()
+        self.length = (None if config.synthetic_frames_per_token is None else
+                       SyntheticLength.for_model(config.synthetic_frames_per_token, tts.config, str(tts.model_dir)))
         layers = tts.config.talker.layers
         if config.kv_budget_bytes is None:
             shape = CacheShape(layers.num_hidden_layers, layers.num_key_value_heads, layers.head_dim,
@@ -120,7 +125,8 @@ class Engine:
         """A request whose whole text is here: tokenized and prompted now."""
         text = clean_text(request.text) if request.clean_text else request.text
         plan = self.tts.plan(text, request.voice, language=request.language, layout=request.layout,
-                             sampling=request.sampling, max_frames=request.max_frames, guard=self.config.guard)
+                             sampling=request.sampling, max_frames=request.max_frames, guard=self.config.guard,
+                             length=self.length)
         max_frames = min(plan.max_frames, self._room(plan.prompt))
         return Sequence(next(self._ids), request, plan.prompt, plan.sampling, max_frames)
 
@@ -130,6 +136,8 @@ class Engine:
         feed = TextFeed(self.tts.tokenizer, cfg.tts_eos_token_id, cfg.tts_pad_token_id, request.clean_text)
         feed.append(request.text)
         sampling = request.sampling or SamplingParams.from_defaults(cfg.generation)
+        if self.length is not None:
+            sampling = self.length.sampling(sampling)
         return Sequence(next(self._ids), request, None, sampling, request.max_frames or self.runner.capacity, feed)
 
     def _find(self, request_id: int) -> Sequence:
@@ -158,8 +166,21 @@ class Engine:
         except Exception as error:
             self._fail(seq, request_error(error, "tokenizing its text"))
             return
-        if seq.request.max_frames is None:
+        if self.length is not None:
+            self._hold_to_length(seq)
+        elif seq.request.max_frames is None:
             seq.max_frames = min(seq.max_frames, self.config.guard.limit(len(seq.feed.ids)))
+
+    def _hold_to_length(self, seq: Sequence) -> None:
+        """Synthetic length: a streaming-text request's frame count is known once its text is. One that already
+        has that many (it ran ahead of a late end) ends now, its frames not yet decoded queued as at any end."""
+        tokens = len(seq.feed.ids)
+        if not tokens:
+            return  # nothing to speak: its prefill fails it with EmptyText
+        seq.max_frames = min(seq.max_frames, self.length.limit(tokens, seq.request.max_frames))
+        if seq.frames >= seq.max_frames and self.scheduler.running.get(seq.request_id) is seq:
+            self.scheduler.finish(seq, "length")
+            self.decoding.queue([seq], [])
 
     def _room(self, prompt: Prompt) -> int:
         length = prompt.prefill.shape[0]

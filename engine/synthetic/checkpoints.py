@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.config import SpeechTokenizerConfig, parse_model_config, parse_speech_tokenizer_config
+from engine.config import RANDOM_WEIGHTS_KEY, SpeechTokenizerConfig, parse_model_config, parse_speech_tokenizer_config
 from engine.model.codec_decoder import CodecDecoder
 from engine.model.reference_encoder import ReferenceEncoder
 from engine.model.speaker_encoder import SpeakerEncoder
@@ -23,7 +23,7 @@ from engine.synthetic.configs import GENERATION_CONFIG, SPEECH_PREPROCESSOR, mod
 from engine.synthetic.tokenizer_files import write_tokenizer_files
 
 DEFAULT_VARIANT = "custom_voice"
-DEFAULT_MODEL_VERSION = 1  # bump when the tiny default model's recipe changes, so caches are rebuilt
+DEFAULT_MODEL_VERSION = 2  # bump when the tiny default model's recipe changes, so caches are rebuilt (2: the mark)
 
 
 def _prefixed(prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -102,7 +102,8 @@ def _randomize(name: str, tensor: torch.Tensor, generator: torch.Generator) -> N
 
 def write_random_checkpoint(out_dir: Path, size: str, variant: str, seed: int = 0,
                             dtype: torch.dtype | None = None) -> Path:
-    """Writes the whole official layout; real sizes are stored in bf16, tiny ones in fp32."""
+    """Writes the whole official layout; real sizes are stored in bf16, tiny ones in fp32. config.json is marked as
+    random weights (RANDOM_WEIGHTS_KEY), so that benchmark-only settings know it has no speech to cut."""
     dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "speech_tokenizer").mkdir(exist_ok=True)
@@ -115,7 +116,7 @@ def write_random_checkpoint(out_dir: Path, size: str, variant: str, seed: int = 
             tensors[name] = value.to(dtype)
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
         del tensors
-    _write_json(out_dir / "config.json", model_config(size, variant))
+    _write_json(out_dir / "config.json", model_config(size, variant) | {RANDOM_WEIGHTS_KEY: True})
     _write_json(out_dir / "generation_config.json", GENERATION_CONFIG)
     _write_json(out_dir / "speech_tokenizer" / "config.json", speech_tokenizer_config(size))
     _write_json(out_dir / "speech_tokenizer" / "preprocessor_config.json", SPEECH_PREPROCESSOR)
