@@ -1,7 +1,11 @@
 """Compare scheduling policies on the simulator (engine/core/simulator.py): Poisson load, a GPU cost model, the real
-scheduler. Prints one markdown table row per (text mode, rate, policy).
+scheduler. Prints one markdown table row per (text mode, rate, setup).
 
     python scripts/simulate_scheduler.py --rates 40,60,80 --slots 512 --max-step-batch 256
+    python scripts/simulate_scheduler.py --compare smoothness --rates 20,40,60,80 --duration 30
+
+`--compare policies` (the default): step selection with frames out as they are made. `--compare smoothness`: the
+chunk schedule {fixed, lead} x admission {all, protect}, with audio out per chunk and decoding paid per chunk.
 """
 from __future__ import annotations
 
@@ -12,7 +16,36 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.scheduler import Scheduler  # noqa: E402
-from engine.core.simulator import CostModel, poisson_workload, simulate, summarize  # noqa: E402
+from engine.core.simulator import Arrival, CostModel, poisson_workload, simulate, summarize  # noqa: E402
+
+HEADER = ("| text | rate | scheduling | requests | TTFA p50 / p95 / p99 | never underrun | audio s/s |\n"
+          "|---|---|---|---|---|---|---|")
+
+
+def row(streaming: bool, rate: float, label: str, result: dict) -> str:
+    return (f"| {'LLM-streamed' if streaming else 'whole'} | {rate:g}/s | {label} | {result['requests']} | "
+            f"{result['ttfa_ms_p50']:.0f} / {result['ttfa_ms_p95']:.0f} / {result['ttfa_ms_p99']:.0f} ms | "
+            f"{result['never_underrun']:.1%} | {result['audio_s_per_s']:.0f} |")
+
+
+def policies(arrivals: list[Arrival], args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """Step selection: every request every step, fcfs and deadline under a step limit."""
+    setups = [("fcfs", None, "continuous batching: every request every step"),
+              ("fcfs", args.max_step_batch, f"fcfs, at most {args.max_step_batch} per step"),
+              ("deadline", args.max_step_batch, f"deadline, at most {args.max_step_batch} per step")]
+    return [(label, summarize(simulate(arrivals, Scheduler(args.slots, policy, limit), CostModel())))
+            for policy, limit, label in setups]
+
+
+def smoothness(arrivals: list[Arrival], args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """Chunk schedule x admission, deadline selection under the step limit, audio out per chunk."""
+    out = []
+    for chunks in ("fixed", "lead"):
+        for admission in ("all", "protect"):
+            scheduler = Scheduler(args.slots, "deadline", args.max_step_batch, admission=admission)
+            requests = simulate(arrivals, scheduler, CostModel(), chunks=chunks, chunk_frames=args.chunk_frames)
+            out.append((f"chunks {chunks}, admission {admission}", summarize(requests)))
+    return out
 
 
 def main() -> None:
@@ -21,21 +54,17 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--slots", type=int, default=512)
     parser.add_argument("--max-step-batch", type=int, default=256)
+    parser.add_argument("--chunk-frames", type=int, default=4)
+    parser.add_argument("--compare", choices=["policies", "smoothness"], default="policies")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    setups = [("fcfs", None, "continuous batching: every request every step"),
-              ("fcfs", args.max_step_batch, f"fcfs, at most {args.max_step_batch} per step"),
-              ("deadline", args.max_step_batch, f"deadline, at most {args.max_step_batch} per step")]
-    print("| text | rate | scheduling | requests | TTFA p50 / p95 / p99 | never underrun |")
-    print("|---|---|---|---|---|---|")
+    compare = policies if args.compare == "policies" else smoothness
+    print(HEADER)
     for streaming in (False, True):
         for rate in args.rates:
             arrivals = poisson_workload(rate, args.duration, args.seed, streaming_text=streaming)
-            for policy, limit, label in setups:
-                result = summarize(simulate(arrivals, Scheduler(args.slots, policy, limit), CostModel()))
-                print(f"| {'LLM-streamed' if streaming else 'whole'} | {rate:g}/s | {label} | {result['requests']} | "
-                      f"{result['ttfa_ms_p50']:.0f} / {result['ttfa_ms_p95']:.0f} / {result['ttfa_ms_p99']:.0f} ms | "
-                      f"{result['never_underrun']:.1%} |")
+            for label, result in compare(arrivals, args):
+                print(row(streaming, rate, label, result), flush=True)
 
 
 if __name__ == "__main__":

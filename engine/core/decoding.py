@@ -2,8 +2,14 @@
 as events (a request's Finished after its last chunk), and the start of a slot's codec decoder.
 
 The first chunk comes after `first_chunk_frames` frames for the shortest time to first audio, larger ones later to
-amortise the decoder. On a GPU the decodes run beside the next step's frame (`decode_overlap.py`); the per-slot
-decoder states and their batched, graphed decode are `codec_decoding.py`'s.
+amortise the decoder. Two schedules (`CHUNK_SCHEDULES`):
+- `fixed` (the default): 1, 1, 2, 4, ... frames up to `chunk_frames`, whatever the client holds (`chunk_due`).
+- `lead`: by the request's lead, the audio delivered beyond what a client playing since its first audio has heard
+  (`lead_chunk`): a chunk of n frames waits for n frame steps, at most one frame of audio each (real time), so it
+  waits for n frames only while they fit `LEAD_MARGIN` times into the lead; a thin buffer gets 1-frame chunks, a
+  deep one `chunk_frames`. Its lengths are powers of two and `chunk_frames` (`lead_chunk_lengths`): few graphs.
+On a GPU the decodes run beside the next step's frame (`decode_overlap.py`); the per-slot decoder states and their
+batched, graphed decode are `codec_decoding.py`'s.
 """
 from __future__ import annotations
 
@@ -15,20 +21,56 @@ import torch
 from engine.core.codec_decoding import DecoderPool
 from engine.core.decode_overlap import DecodeOverlap, PendingAudio
 from engine.core.isolation import isolated
+from engine.core.scheduler import FRAME_SECONDS, lead
 from engine.core.sequence import Sequence
 from engine.errors import VoxgateError
 from engine.model.codec_decoder import CodecDecoder
 from engine.request import AudioChunk, Event, Finished
 
+CHUNK_SCHEDULES = ("fixed", "lead")
+# A chunk of n frames is due only while n frames fit into the lead this many times. 1: a step below real time makes
+# a frame in less than a frame of audio, so the buffer outlasts the chunk's n steps; the rule is read again each
+# step, so a chunk shrinks as the lead falls. (2 kept leads safer but cost more decodes: less throughput near
+# capacity in the simulator.)
+LEAD_MARGIN = 1.0
+
+
+def later_chunk_lengths(chunk_frames: int) -> tuple[int, ...]:
+    """The lengths of `lead_chunk`'s chunks after the first: the powers of two below `chunk_frames`, and it."""
+    return tuple(sorted({chunk_frames, *(1 << k for k in range(chunk_frames.bit_length()) if 1 << k < chunk_frames)}))
+
+
+def lead_chunk_lengths(first_chunk_frames: int, chunk_frames: int) -> tuple[int, ...]:
+    """Every length `lead_chunk` returns (the decoder graphs to capture)."""
+    return tuple(sorted({first_chunk_frames, *later_chunk_lengths(chunk_frames)}))
+
+
+def lead_chunk(decoded_frames: int, lead_s: float, first_chunk_frames: int, chunk_frames: int) -> int:
+    """The frames the next chunk waits for, given the audio already out and the lead (seconds of it not yet played):
+    the first chunk is `first_chunk_frames` (time to first audio), then the longest length whose frames, made at
+    real time at worst, fit `LEAD_MARGIN` times into the lead: short chunks while the client's buffer is thin, up to
+    `chunk_frames` once it is deep (the decoder's fixed cost amortised)."""
+    if decoded_frames == 0:
+        return first_chunk_frames
+    fits = lead_s / (LEAD_MARGIN * FRAME_SECONDS)
+    return max(n for n in later_chunk_lengths(chunk_frames) if n <= max(1.0, fits))
+
 
 class Decoding:
     def __init__(self, decoder: CodecDecoder, slots: int, device: torch.device, dtype: torch.dtype,
                  first_chunk_frames: int, chunk_frames: int, overlap: bool, capture: bool,
-                 fail: Callable[[Sequence, VoxgateError], None]) -> None:
-        """`capture`: CUDA graphs of the decoder; `fail`: how a request whose decode raises alone ends."""
+                 fail: Callable[[Sequence, VoxgateError], None], schedule: str = "fixed",
+                 clock: Callable[[], float] | None = None) -> None:
+        """`capture`: CUDA graphs of the decoder; `fail`: how a request whose decode raises alone ends; `schedule`:
+        one of `CHUNK_SCHEDULES`; `clock`: seconds, as the scheduler's (the `lead` schedule reads it)."""
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError("first_chunk_frames and chunk_frames must be at least 1")
+        if schedule not in CHUNK_SCHEDULES:
+            raise ValueError(f"unknown chunk schedule {schedule!r}; choose one of {', '.join(CHUNK_SCHEDULES)}")
+        if schedule == "lead" and clock is None:
+            raise ValueError("the lead chunk schedule needs a clock")
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
+        self.schedule, self.clock = schedule, clock
         self.samples_per_frame = decoder.samples_per_frame
         self.overlap = DecodeOverlap(device, overlap)
         self.decoders = DecoderPool(decoder, slots, device, dtype, capture=capture,
@@ -43,6 +85,8 @@ class Decoding:
 
     def chunk_lengths(self) -> tuple[int, ...]:
         """Every chunk length the schedule produces (a final flush may be shorter)."""
+        if self.schedule == "lead":
+            return lead_chunk_lengths(self.first_chunk_frames, self.chunk_frames)
         lengths, decoded = [], 0
         while not lengths or lengths[-1] < self.chunk_frames:
             lengths.append(self.chunk_due(decoded))
@@ -64,8 +108,7 @@ class Decoding:
         a held request's frames are due at once. A chunk whose length has no decoder graph goes as pieces that have
         one, in order. A batch that raises is retried in halves down to single requests: the decoder's state is only
         written back once a decode has run, and only a request that fails alone ends."""
-        due = [s for s in stepped if s.pending and (len(s.pending) >= self.chunk_due(s.decoded_frames) or s.done)]
-        due += [s for s in held if s.pending]
+        due = self._due(stepped) + [s for s in held if s.pending]
         pieces = {seq: self.decoders.pieces(len(seq.pending)) for seq in due}
         with self.overlap.context():
             for piece in range(max(map(len, pieces.values()), default=0)):
@@ -80,6 +123,14 @@ class Decoding:
         for seq in due:
             seq.decoded_frames += len(seq.pending)
             seq.pending.clear()
+
+    def _due(self, stepped: list[Sequence]) -> list[Sequence]:
+        """The stepped requests whose chunk is due (or that ended with frames to flush)."""
+        if self.schedule == "fixed":
+            return [s for s in stepped if s.pending and (len(s.pending) >= self.chunk_due(s.decoded_frames) or s.done)]
+        now, first, largest = self.clock(), self.first_chunk_frames, self.chunk_frames
+        return [s for s in stepped if s.pending and (s.done or len(s.pending) >= lead_chunk(
+            s.decoded_frames, lead(s, now) if s.decoded_frames else 0.0, first, largest))]
 
     def _decode(self, seqs: list[Sequence], first: dict[Sequence, int], length: int) -> None:
         """Queue the decoding of frames first[s]..first[s]+length of each request's pending frames."""

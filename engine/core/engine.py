@@ -52,6 +52,8 @@ class EngineConfig:
     overlap_decoding: bool | None = None  # decode beside the next frame step; None: on CUDA
     scheduling: str = "deadline"  # which requests step when more are runnable than max_step_batch (scheduler.py)
     max_step_batch: int | None = None  # None: every runnable request steps
+    chunk_schedule: str = "fixed"  # "fixed" (1, 1, 2, 4 ... frames) | "lead" (by the client's buffer; decoding.py)
+    admission: str = "all"  # "all" (every ready request) | "protect" (prefills wait for thin leads; scheduler.py)
     guard: RunawayGuard = field(default_factory=RunawayGuard)
     # Benchmark-only, for random-weight checkpoints (never EOS): each request makes exactly ceil(this x its text
     # tokens) frames (its max_frames if fewer) instead of running to the guard. Refused for an unmarked checkpoint.
@@ -75,9 +77,11 @@ class Engine:
                                   config.attention_backend, config.step_mode, tts.config.tts_pad_token_id)
         overlap = config.overlap_decoding if config.overlap_decoding is not None else tts.device.type == "cuda"
         self.decoding = Decoding(tts.decoder, shape.slots, tts.device, tts.dtype, config.first_chunk_frames,
-                                 config.chunk_frames, overlap, capture=config.step_mode == "graphs", fail=self._fail)
+                                 config.chunk_frames, overlap, capture=config.step_mode == "graphs", fail=self._fail,
+                                 schedule=config.chunk_schedule, clock=lambda: self.scheduler.clock())
         self.scheduler: Scheduler[Sequence] = Scheduler(shape.slots, config.scheduling, config.max_step_batch,
-                                                        config.max_prefill_batch, config.max_waiting)
+                                                        config.max_prefill_batch, config.max_waiting,
+                                                        admission=config.admission)
         self._ids = count(1)
 
     @property

@@ -16,6 +16,15 @@ name; each orders the runnable requests and the step takes the first `max_step_b
   under overload it waits for the running requests to have audio to spare instead of making them all run dry.
 - `fcfs`: first come, first served (arrival order): the baseline the simulator compares against.
 
+Admission (`ADMISSIONS`):
+- `all` (the default): every ready waiting request, up to `max_prefill_batch`, in the next step's prefill.
+- `protect`: a prefill makes the step longer for every running request, so it only runs when the thinnest lead
+  among the runnable requests that have audio out (`lead`: delivered audio not yet played) covers a loaded frame step
+  (`PROTECT_STEP_S`) plus the prefill (`PREFILL_PASS_S` + `PREFILL_PER_REQUEST_S` per request): the batch is cut to
+  what fits, or deferred. A held request is not counted (it waits for text, not for the GPU). A request ready for
+  `MAX_ADMISSION_WAIT_S` is admitted whatever the leads: no starvation, and a bound on what protection adds to time
+  to first audio.
+
 The simulator runs this same class on a virtual clock (`clock`), with its own requests behind the `Scheduled` rules.
 """
 from __future__ import annotations
@@ -32,12 +41,20 @@ from engine.errors import EngineFull
 
 FRAME_SECONDS = 0.08  # 12.5 frames per second
 NEW_REQUEST_SLACK_S = 0.5
+ADMISSIONS = ("all", "protect")
+# `protect`: the simulator's cost model (H100, 1.7B): a prefill pass and its cost per request, a frame step at 256
+# requests with their decoding (47 ms; the real engine is slower under load); the longest a ready request waits.
+PREFILL_PASS_S = 0.010
+PREFILL_PER_REQUEST_S = 0.0005
+PROTECT_STEP_S = 0.05
+MAX_ADMISSION_WAIT_S = 0.1
 
 
 class Scheduled(Protocol):
     request_id: int  # increases with arrival
     slot: int
     frames: int  # frames generated so far
+    decoded_frames: int  # frames whose audio is out (queued for decoding)
     first_audio_at: float | None  # when its first frame was generated
     done: str | None
 
@@ -49,6 +66,17 @@ class Scheduled(Protocol):
 def buffered_ahead(seq: Scheduled, now: float) -> float:
     """Seconds of audio generated beyond what a client playing since the first audio has heard."""
     return seq.frames * FRAME_SECONDS - (now - seq.first_audio_at)
+
+
+def lead(seq: Scheduled, now: float) -> float:
+    """Seconds of audio delivered beyond what a client playing since the first audio has heard: what it can play
+    before it runs dry."""
+    return seq.decoded_frames * FRAME_SECONDS - (now - seq.first_audio_at)
+
+
+def prefill_seconds(requests: int) -> float:
+    """What a prefill of `requests` adds to a step (`protect`'s estimate)."""
+    return PREFILL_PASS_S + requests * PREFILL_PER_REQUEST_S if requests else 0.0
 
 
 def playback_deadline(seq: Scheduled, now: float) -> float:
@@ -68,10 +96,13 @@ POLICIES: dict[str, Order] = {
 class Scheduler(Generic[S]):
     def __init__(self, slots: int, policy: str = "deadline", max_step_batch: int | None = None,
                  max_prefill_batch: int = 16, max_waiting: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`max_waiting`: None queues without limit (the simulator); `clock`: seconds, for deadlines and first audio."""
+                 clock: Callable[[], float] = time.monotonic, admission: str = "all") -> None:
+        """`max_waiting`: None queues without limit (the simulator); `clock`: seconds, for deadlines and first audio;
+        `admission`: one of `ADMISSIONS`."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"unknown admission {admission!r}; choose one of {', '.join(ADMISSIONS)}")
         if max_step_batch is not None and max_step_batch < 1:
             raise ValueError("max_step_batch must be at least 1")
         self.max_step_batch = max_step_batch
@@ -79,6 +110,8 @@ class Scheduler(Generic[S]):
         self.max_waiting = max_waiting
         self.clock = clock
         self._order = POLICIES[policy]
+        self.admission = admission
+        self.ready_since: dict[int, float] = {}  # `protect`: request id -> when it was first seen ready
         self.free_slots = list(range(slots))
         self.waiting: deque[S] = deque()
         self.running: dict[int, S] = {}
@@ -101,7 +134,10 @@ class Scheduler(Generic[S]):
 
     def admit(self, prepare: Callable[[S], bool]) -> list[S]:
         """The waiting requests that can start now, oldest first, each moved to a slot. `prepare(seq)` completes a
-        ready request before it takes a slot (the engine builds a streaming-text prompt); False leaves it out."""
+        ready request before it takes a slot (the engine builds a streaming-text prompt); False leaves it out. Under
+        `protect` a request may be deferred (module docstring)."""
+        if self.admission == "protect" and self.waiting:
+            return self._admit_protecting(prepare)
         admitted: list[S] = []
         for seq in list(self.waiting):
             if len(admitted) >= self.max_prefill_batch:
@@ -110,11 +146,40 @@ class Scheduler(Generic[S]):
                 continue
             if not self.free_slots:
                 break
-            self.waiting.remove(seq)
-            seq.slot = self.free_slots.pop(0)
-            self.running[seq.request_id] = seq
+            self._start(seq)
             admitted.append(seq)
         return admitted
+
+    def _admit_protecting(self, prepare: Callable[[S], bool]) -> list[S]:
+        """`protect`: the oldest ready requests whose prefill the thinnest lead can pay for, and every overdue one."""
+        now = self.clock()
+        budget = self.thinnest_lead(now) - PROTECT_STEP_S
+        admitted: list[S] = []
+        for seq in list(self.waiting):
+            if len(admitted) >= self.max_prefill_batch or not self.free_slots:
+                break
+            if not seq.ready():
+                continue
+            since = self.ready_since.setdefault(seq.request_id, now)
+            if now - since < MAX_ADMISSION_WAIT_S and prefill_seconds(len(admitted) + 1) > budget:
+                continue
+            if not prepare(seq):
+                continue
+            self._start(seq)
+            admitted.append(seq)
+        return admitted
+
+    def thinnest_lead(self, now: float) -> float:
+        """The smallest lead among the runnable requests with audio out (infinite if none): what a longer step eats."""
+        leads = [lead(s, now) for s in self.running.values() if s.decoded_frames and s.runnable()]
+        return min(leads, default=float("inf"))
+
+    def _start(self, seq: S) -> None:
+        """Move a waiting request to a free slot."""
+        self.waiting.remove(seq)
+        self.ready_since.pop(seq.request_id, None)
+        seq.slot = self.free_slots.pop(0)
+        self.running[seq.request_id] = seq
 
     def schedule(self) -> tuple[list[S], list[S]]:
         """(the requests of the next frame step, most urgent first; the held ones)."""
@@ -150,6 +215,7 @@ class Scheduler(Generic[S]):
             self.free_slots.append(seq.slot)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.ready_since.pop(seq.request_id, None)
         if seq not in self.finished:
             self.finished.append(seq)
 
@@ -158,6 +224,7 @@ class Scheduler(Generic[S]):
         for seq in self.waiting:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
+                self.ready_since.pop(request_id, None)
                 return True
         seq = self.running.pop(request_id, None)
         if seq is not None:

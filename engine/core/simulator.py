@@ -6,7 +6,13 @@ batch 1 growing ~0.05 ms per request (12.9 ms at 128), codec decoding ~0.11 ms p
 audio s/s at batch 256); a prefill pass of ~10 ms (eager, launch-bound: single-request time to first audio, 23 ms,
 less the step and the first decode) plus ~0.5 ms per request in it.
 
-A simulated client starts playing a request's audio at its first frame; a frame generated after its playback time is an
+Frames are delivered one of two ways. `chunks=None` (the default, the idealised model): each frame's audio is out at
+the end of the step that made it, its decoding charged per frame. `chunks="fixed"` or `"lead"`: the engine's chunk
+schedules (`engine/core/decoding.py`): a request's frames wait until its chunk is due, then all of them are out at
+the end of that step, which pays for the decodes: a batched decoder call per chunk length, a cost per chunk and one
+per frame (`CostModel.decode_seconds`; the per-call and per-chunk costs are estimates, not yet fitted).
+
+A simulated client starts playing a request's audio at its first audio out; a frame out after its playback time is an
 underrun. With streaming text, latency runs from the first text token, and a frame can run only once its text token
 has arrived (one token per frame, then the end of the input), as in the engine.
 """
@@ -17,7 +23,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.core.scheduler import FRAME_SECONDS, Scheduler
+from engine.core.decoding import CHUNK_SCHEDULES, lead_chunk
+from engine.core.scheduler import FRAME_SECONDS, Scheduler, lead
 
 
 @dataclass(frozen=True)
@@ -27,10 +34,22 @@ class CostModel:
     decode_per_frame_ms: float = 0.11
     prefill_ms: float = 10.0  # a prefill pass (eager: launch-bound)
     prefill_per_request_ms: float = 0.5
+    decode_call_ms: float = 0.3  # a batched decoder call (one per chunk length in a step): launch, sync
+    decode_per_chunk_ms: float = 0.1  # a request's chunk whatever its length: its window attention, its state
 
     def step_seconds(self, batch: int, admitted: int) -> float:
+        """A step whose frames are all decoded at once (`chunks=None`)."""
+        return self.frame_seconds(batch, admitted) + batch * self.decode_per_frame_ms / 1e3
+
+    def frame_seconds(self, batch: int, admitted: int) -> float:
+        """A step's prefill and frame, without decoding."""
         prefill = self.prefill_ms + admitted * self.prefill_per_request_ms if admitted else 0.0
-        return (self.step_ms + batch * (self.per_request_ms + self.decode_per_frame_ms) + prefill) / 1e3
+        return (self.step_ms + batch * self.per_request_ms + prefill) / 1e3
+
+    def decode_seconds(self, chunks: list[int]) -> float:
+        """Decoding the chunks due in a step (their lengths in frames), one batched call per length."""
+        calls = len(set(chunks)) * self.decode_call_ms
+        return (calls + len(chunks) * self.decode_per_chunk_ms + sum(chunks) * self.decode_per_frame_ms) / 1e3
 
 
 @dataclass(frozen=True)
@@ -55,9 +74,11 @@ class SimRequest:
     clock: VirtualClock
     slot: int = -1
     frames: int = 0
-    first_audio_at: float | None = None
+    decoded_frames: int = 0  # frames whose audio is out
+    first_audio_at: float | None = None  # when its first frame was made (the scheduler's first audio)
+    admitted_at: float | None = None  # when its prefill ran
     done: str | None = None
-    delivered: list[float] = field(default_factory=list)
+    delivered: list[float] = field(default_factory=list)  # when each frame's audio was out
 
     def _tokens(self) -> int:
         return sum(t <= self.clock.now for t in self.arrival.text_times)
@@ -78,13 +99,23 @@ class SimRequest:
         """Where latency counts from: the request, or its first text token."""
         return self.arrival.text_times[0] if self.arrival.text_times else self.arrival.at
 
+    @property
+    def pending(self) -> int:
+        """Frames made whose audio is not out yet."""
+        return self.frames - self.decoded_frames
+
     def never_underran(self) -> bool:
-        return all(t <= self.first_audio_at + k * FRAME_SECONDS + 1e-9 for k, t in enumerate(self.delivered))
+        """Each frame was out before a client playing since the first audio out reached it."""
+        return all(t <= self.delivered[0] + k * FRAME_SECONDS + 1e-9 for k, t in enumerate(self.delivered))
 
 
-def simulate(arrivals: list[Arrival], scheduler: Scheduler, cost: CostModel = CostModel()) -> list[SimRequest]:
+def simulate(arrivals: list[Arrival], scheduler: Scheduler, cost: CostModel = CostModel(),
+             chunks: str | None = None, first_chunk_frames: int = 1, chunk_frames: int = 4) -> list[SimRequest]:
     """Run every arrival to its length through `scheduler` (a new one: its queues empty), which is put on the
-    simulation's virtual clock; returns the requests with their frame times."""
+    simulation's virtual clock; returns the requests with their frame times. `chunks`: None (each frame out as it is
+    made) or one of `CHUNK_SCHEDULES`, with the engine's `first_chunk_frames` and `chunk_frames`."""
+    if chunks is not None and chunks not in CHUNK_SCHEDULES:
+        raise ValueError(f"unknown chunk schedule {chunks!r}; choose None or one of {', '.join(CHUNK_SCHEDULES)}")
     clock = scheduler.clock = VirtualClock()
     pending = deque(sorted(arrivals, key=lambda a: a.at))
     finished: list[SimRequest] = []
@@ -94,20 +125,51 @@ def simulate(arrivals: list[Arrival], scheduler: Scheduler, cost: CostModel = Co
             ids += 1
             scheduler.add(SimRequest(ids, pending.popleft(), clock))
         admitted = scheduler.admit(lambda request: True)
-        batch, _ = scheduler.schedule()
-        if not batch and not admitted:
+        for request in admitted:
+            request.admitted_at = clock.now
+        batch, held = scheduler.schedule()
+        if not batch and not admitted and not any(r.pending for r in held):
             clock.now = _next_event(clock.now, pending, [*scheduler.waiting, *scheduler.running.values()])
             continue
-        clock.now += cost.step_seconds(len(batch), len(admitted))
-        for request in batch:
-            request.frames += 1
-            request.delivered.append(clock.now)
-            if request.first_audio_at is None:
-                request.first_audio_at = clock.now
-            if request.frames == request.arrival.frames:
-                scheduler.finish(request, "length")
+        if chunks is None:
+            clock.now += cost.step_seconds(len(batch), len(admitted))
+            _frames(batch, clock.now, scheduler)
+            _deliver(batch, clock.now)
+        else:
+            clock.now += cost.frame_seconds(len(batch), len(admitted))
+            _frames(batch, clock.now, scheduler)
+            due = _due(batch, clock.now, chunks, first_chunk_frames, chunk_frames) + [r for r in held if r.pending]
+            clock.now += cost.decode_seconds([r.pending for r in due])
+            _deliver(due, clock.now)
         finished += scheduler.take_finished()
     return finished
+
+
+def _frames(batch: list[SimRequest], now: float, scheduler: Scheduler) -> None:
+    """One frame made for each request of the step; a request at its length ends."""
+    for request in batch:
+        request.frames += 1
+        if request.first_audio_at is None:
+            request.first_audio_at = now
+        if request.frames == request.arrival.frames:
+            scheduler.finish(request, "length")
+
+
+def _due(batch: list[SimRequest], now: float, chunks: str, first: int, largest: int) -> list[SimRequest]:
+    """The stepped requests whose chunk is due under the engine's schedule (an ended one flushes)."""
+    def due(r: SimRequest) -> int:
+        if chunks == "fixed":
+            return min(largest, max(first, r.decoded_frames))  # Decoding.chunk_due
+        return lead_chunk(r.decoded_frames, lead(r, now) if r.decoded_frames else 0.0, first, largest)
+
+    return [r for r in batch if r.done or r.pending >= due(r)]
+
+
+def _deliver(requests: list[SimRequest], now: float) -> None:
+    """The audio of each request's frames made so far is out now."""
+    for request in requests:
+        request.delivered += [now] * request.pending
+        request.decoded_frames = request.frames
 
 
 def _next_event(now: float, pending: deque[Arrival], requests: list[SimRequest]) -> float:
@@ -146,10 +208,14 @@ def llm_token_times(rng: random.Random, start: float, tokens: int, rate: float) 
 
 
 def summarize(requests: list[SimRequest]) -> dict:
-    ttfa = sorted(r.first_audio_at - r.started_at for r in requests)
+    """Time to first audio out (from the request or its first text token), the share of requests that never ran
+    dry, and throughput: seconds of audio out per second from the first arrival to the last audio."""
+    ttfa = sorted(r.delivered[0] - r.started_at for r in requests)
+    span = max(r.delivered[-1] for r in requests) - min(r.arrival.at for r in requests)
 
     def percentile(p: float) -> float:
         return ttfa[min(len(ttfa) - 1, int(p / 100 * len(ttfa)))] * 1e3
 
     return dict(requests=len(requests), ttfa_ms_p50=percentile(50), ttfa_ms_p95=percentile(95),
-                ttfa_ms_p99=percentile(99), never_underrun=sum(r.never_underran() for r in requests) / len(requests))
+                ttfa_ms_p99=percentile(99), never_underrun=sum(r.never_underran() for r in requests) / len(requests),
+                audio_s_per_s=sum(r.frames for r in requests) * FRAME_SECONDS / span)
