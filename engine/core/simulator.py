@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.core.decoding import CHUNK_SCHEDULES, lead_chunk
@@ -186,16 +187,23 @@ def poisson_workload(rate: float, duration: float, seed: int, streaming_text: bo
     text comes like an LLM's: first token after 100-300 ms, then 20-80 tokens/s (each gap within +-50% of the
     mean) in random pieces of 1-4 tokens, one token per ~3 frames of speech."""
     rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration:
-            return arrivals
+    arrivals = []
+    for t in poisson_times(rng, rate, duration):
         frames = round(min(12.0, max(2.0, rng.gauss(6.0, 2.5))) / FRAME_SECONDS)
         times: tuple[float, ...] = ()
         if streaming_text:
             times = llm_token_times(rng, t, math.ceil(frames / 3), rng.uniform(*tokens_per_second))
         arrivals.append(Arrival(t, frames, times))
+    return arrivals
+
+
+def poisson_times(rng: random.Random, rate: float, duration: float) -> Iterator[float]:
+    """The arrival times in [0, duration) of a Poisson process of `rate` per second (exponential gaps), drawn lazily
+    from `rng` so that a caller may draw its own values between arrivals."""
+    t = rng.expovariate(rate)
+    while t < duration:
+        yield t
+        t += rng.expovariate(rate)
 
 
 def llm_token_times(rng: random.Random, start: float, tokens: int, rate: float) -> tuple[float, ...]:
