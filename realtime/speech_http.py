@@ -128,7 +128,7 @@ def _voice(body: dict) -> str | None:
 
 
 def _speed(body: dict) -> float:
-    """1.0 when absent or null, as the other fields."""
+    """OpenAI's range; absent or null is 1.0, as other fields' null is their default."""
     low, high = SPEED_RANGE
     speed = body.get("speed")
     if speed is None:

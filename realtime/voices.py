@@ -17,8 +17,8 @@ from realtime.ws.protocol import ProtocolError
 DESIGN_VOICE = "design"
 VOICE_CACHE_BYTES = 4 * 1024 * 1024  # voices with instructions (free text) kept for reuse, least recently used out
 VOICE_ENTRY_BYTES = 512  # what a cached voice costs beside its text
-# OpenAI's voice names -> the official CustomVoice speaker of a like voice (English speakers first, women to women,
-# men to men); a name whose speaker this model lacks maps to its default voice; `--openai-voice NAME=VOICE` overrides
+# OpenAI's voice names -> the official CustomVoice speaker of a like voice (women to women, men to men, the deep onyx
+# to the low uncle_fu); a name whose speaker this model lacks maps to its default voice; `--openai-voice` chooses
 OPENAI_VOICES = {"alloy": "vivian", "ash": "ryan", "ballad": "aiden", "coral": "serena", "echo": "eric",
                  "fable": "dylan", "nova": "sohee", "onyx": "uncle_fu", "sage": "ono_anna", "shimmer": "serena",
                  "verse": "aiden", "marin": "vivian", "cedar": "ryan"}
