@@ -18,7 +18,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from realtime.gateway import Gateway
-from realtime.llm import LLMConfig, LLMError, new_http_client, stream_chat
+from realtime.llm import LLMConfig, LLMError, new_llm_client, stream_chat
 from realtime.ws.protocol import ProtocolError, event, parse_message
 from realtime.ws.rate_limit import RateLimiter
 from realtime.ws.session import Session
@@ -69,7 +69,7 @@ class ChatSocket:
 
     async def run(self) -> None:
         await self._send({"type": "chat.ready", "llm": {"model": self.llm.model} if self.llm else None})
-        self._http = new_http_client()  # one connection pool for the socket's turns
+        self._llm_client = new_llm_client(self.llm) if self.llm else None
         try:
             while True:
                 message = await self.ws.receive()
@@ -81,7 +81,8 @@ class ChatSocket:
                     await self._error(ProtocolError("invalid_message", "send JSON text frames"))
         finally:
             await self._stop_turn(disconnected=True)
-            await self._http.aclose()
+            if self._llm_client is not None:
+                await self._llm_client.close()
 
     async def _handle(self, text: str) -> None:
         try:
@@ -118,7 +119,7 @@ class ChatSocket:
         reply, reason = "", "stop"
         context_id = request.context_id
         try:
-            async with contextlib.aclosing(stream_chat(self._http, self.llm, request.messages)) as pieces:
+            async with contextlib.aclosing(stream_chat(self._llm_client, self.llm, request.messages)) as pieces:
                 async for piece in pieces:
                     if not session.takes_text_for(context_id):
                         reason = "cancelled"  # cancelled on the audio socket (barge-in), or that socket closed

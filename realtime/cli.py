@@ -110,6 +110,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="audio queued per session before its synthesis pauses")
     p.add_argument("--clone-voice", action="append", default=[], metavar="NAME=WAV[:TRANSCRIPT]",
                    help="a voice cloned from a reference audio (Base models; repeatable)")
+    p.add_argument("--openai-voice", action="append", default=[], metavar="NAME=VOICE",
+                   help="the model's voice for one of OpenAI's voice names on POST /v1/audio/speech (alloy=vivian; "
+                        "repeatable; GET /v1/voices shows the mapping)")
     p.add_argument("--allowed-origin", action="append", default=[], help="browser Origin allowed (none: any)")
     p.add_argument("--max-batch", type=int, help="engine slots (default: 64 on a GPU, 8 on the CPU)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
@@ -131,7 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from realtime.gateway import GatewayOptions, Limits
     from realtime.llm import LLMConfig
     from realtime.server import connection_cap, serve
-    from realtime.voices import CloneVoice
+    from realtime.voices import CloneVoice, parse_openai_voice
 
     for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms"):
         if getattr(args, name) < 1:
@@ -140,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise VoxgateError("--idle-timeout, --handshake-timeout and --max-message-rate must be positive")
     try:
         clones = tuple(CloneVoice.parse(spec) for spec in args.clone_voice)
+        openai_voices = tuple(parse_openai_voice(spec) for spec in args.openai_voice)
     except ValueError as failure:
         raise VoxgateError(str(failure)) from None
     limits = Limits(args.max_sessions, args.max_contexts, args.max_text_chars, args.max_message_bytes,
@@ -153,7 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
     llm = LLMConfig(args.llm_url, args.llm_model, llm_key, args.llm_system_prompt) if args.llm_url else None
     options = GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm, dtype=args.dtype,
                              engine_process={"auto": None, "on": True, "off": False}[args.engine_process],
-                             synthetic_frames_per_token=args.synthetic_frames_per_token)
+                             synthetic_frames_per_token=args.synthetic_frames_per_token, openai_voices=openai_voices)
     try:
         return serve(options, args.host, args.port)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop

@@ -69,6 +69,7 @@ class GatewayOptions:
     engine_process: bool | None = None  # the engine in a child process; None: on a GPU
     engine_setup: Callable[[Engine], None] | None = None  # run on each engine built (EngineSpec.setup): test faults
     synthetic_frames_per_token: float | None = None  # benchmark-only, random-weight checkpoints (EngineConfig)
+    openai_voices: tuple[tuple[str, str], ...] = ()  # (OpenAI voice name, the model's voice): --openai-voice
 
 
 def check_options(options: GatewayOptions) -> None:
@@ -161,7 +162,7 @@ class Gateway:
         tts = TTSModel.load(model_dir, device=self.options.device, dtype=self._dtype())
         self._model_name = name
         self.hub_id = str(spec) if is_hub_id(spec) else official_hub_id(tts.config, tts.speech)
-        return tts, VoiceCatalog(tts, list(self.options.clone_voices))
+        return tts, VoiceCatalog(tts, list(self.options.clone_voices), self.options.openai_voices)
 
     def _gpu(self) -> bool:
         return torch.device(self.options.device).type == "cuda"

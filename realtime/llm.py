@@ -1,16 +1,18 @@
-"""A streaming client for any OpenAI-compatible chat endpoint (`POST {url}/chat/completions` with `stream: true`,
-answered by server-sent events), for the demo's LLM chat."""
+"""A streaming client for any OpenAI-compatible chat endpoint (`POST {url}/chat/completions` with `stream: true`), for
+the demo's LLM chat: OpenAI's own SDK reads the server-sent events, so that their framing, `[DONE]` and error events
+are handled by a client that is kept up with the API."""
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
-import httpx
+from openai import AsyncOpenAI, Omit, OpenAIError, Timeout
+from openai.types.chat import ChatCompletionChunk
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # between two events of the stream
+COMPLETIONS_PATH = "/chat/completions"
+NO_KEY = "none"  # the SDK insists on a key; without one configured, each request omits its Authorization header
 
 
 class LLMError(Exception):
@@ -25,51 +27,40 @@ class LLMConfig:
     system_prompt: str | None = None
 
     @property
-    def endpoint(self) -> str:
+    def base_url(self) -> str:
+        """The API base the SDK appends `/chat/completions` to."""
         url = self.url.rstrip("/")
-        return url if url.endswith("/chat/completions") else url + "/chat/completions"
+        return url.removesuffix(COMPLETIONS_PATH)
 
 
-def new_http_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+def new_llm_client(config: LLMConfig) -> AsyncOpenAI:
+    """One connection pool for a chat socket's turns. No retries: a turn that failed is reported at once, and the
+    user asks again."""
+    return AsyncOpenAI(base_url=config.base_url, api_key=config.api_key or NO_KEY, max_retries=0,
+                       timeout=Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
 
 
-async def stream_chat(client: httpx.AsyncClient, config: LLMConfig,
-                      messages: list[dict[str, str]]) -> AsyncIterator[str]:
-    """The reply's text pieces as the LLM writes them."""
-    body = {"model": config.model, "stream": True,
-            "messages": ([{"role": "system", "content": config.system_prompt}] if config.system_prompt else [])
-            + messages}
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+async def stream_chat(client: AsyncOpenAI, config: LLMConfig, messages: list[dict[str, str]]) -> AsyncIterator[str]:
+    """The reply's text pieces as the LLM writes them; closing this generator closes the LLM's stream."""
+    system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+    no_key = {} if config.api_key else {"Authorization": Omit()}  # a local LLM needs none: send none
     try:
-        async with client.stream("POST", config.endpoint, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                detail = (await response.aread()).decode("utf-8", "replace")[:200]
-                raise LLMError(f"the LLM answered HTTP {response.status_code}: {detail}")
-            async for line in response.aiter_lines():
-                piece = _delta(line)
-                if piece is _DONE:
-                    return
+        stream = await client.chat.completions.create(model=config.model, messages=system + messages, stream=True,
+                                                      extra_headers=no_key)
+        async with stream:
+            async for chunk in stream:
+                piece = _text(chunk)
                 if piece:
                     yield piece
-    except (httpx.HTTPError, httpx.InvalidURL) as failure:
-        raise LLMError(f"the LLM at {config.endpoint} failed: {type(failure).__name__}: {failure}") from None
+    except OpenAIError as failure:
+        raise LLMError(f"the LLM at {config.base_url} failed: {type(failure).__name__}: {failure}") from None
+    except ValueError as failure:  # an event that is not JSON
+        raise LLMError(f"the LLM at {config.base_url} sent an event that is not JSON: {failure}") from None
 
 
-_DONE = object()
-
-
-def _delta(line: str) -> str | object | None:
-    """The text of one server-sent event line (None for other lines), or _DONE at the end of the stream."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return _DONE
+def _text(chunk: ChatCompletionChunk) -> str | None:
+    """The text of one chunk (None for a chunk without choices: usage, keep-alive)."""
     try:
-        chunk: Any = json.loads(data)
-        if "error" in chunk:
-            raise LLMError(f"the LLM reported an error: {str(chunk['error'])[:200]}")
-        return (chunk["choices"][0].get("delta") or {}).get("content") if chunk.get("choices") else None
-    except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
-        raise LLMError(f"the LLM sent an event that is not a chat completion chunk: {data[:120]!r}") from None
+        return chunk.choices[0].delta.content if chunk.choices else None
+    except (AttributeError, TypeError, IndexError):  # the SDK builds chunks leniently: a foreign shape gets here
+        raise LLMError(f"the LLM sent an event that is not a chat completion chunk: {str(chunk)[:120]}") from None

@@ -1,10 +1,14 @@
 """`POST /v1/audio/speech`, OpenAI-compatible: the whole input spoken with one voice, returned as a file, as raw
 PCM streamed while it is made, or as OpenAI's server-sent `speech.audio.delta` events. It also takes what tools
-written for the official Qwen3-TTS server send: the model's hub id, `stream` and `non_streaming_mode`."""
+written for the official Qwen3-TTS server send: the model's hub id, `stream` and `non_streaming_mode`. OpenAI's
+`speed` changes the tempo as the audio streams (audio/time_stretch.py); OpenAI's voice names map to the model's
+voices (voices.py), and any OpenAI TTS model name is taken."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -12,14 +16,17 @@ import numpy as np
 
 from realtime.audio.files import encode_file, mp3_available
 from realtime.audio.formats import HTTP_FORMATS, UnsupportedFormat, pcm_s16le
+from realtime.audio.time_stretch import SPEED_RANGE, TimeStretch
 from realtime.errors import HTTPFailure, engine_http_failure
 from realtime.gateway import Gateway
 from realtime.voices import VoiceError
 from realtime.ws.protocol import FIELD_LIMITS, MAX_NAME_CHARS, MAX_SEED, ProtocolError, Sampling, check_limit, load_json
 from realtime.ws.speech_context import ContextAudio, ContextEnd
 
-OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-SPEED_RANGE = (0.25, 4.0)  # OpenAI's
+# OpenAI's speech models, dated snapshots included: tts-1, tts-1-hd, tts-1-1106, gpt-4o-mini-tts,
+# gpt-4o-mini-tts-2025-12-15; not its other models (gpt-4o, whisper-1, gpt-4o-mini-transcribe)
+OPENAI_TTS_MODEL = re.compile(r"tts-1(-hd)?(-\d{4})?|gpt-[0-9a-z.]+(-mini)?-tts(-\d{4}-\d{2}-\d{2})?")
+OPENAI_MODEL_EXAMPLES = "tts-1, tts-1-hd, gpt-4o-mini-tts or a dated one (gpt-4o-mini-tts-2025-12-15)"
 STREAMED_FORMATS = ("pcm",)  # sent as they are made; the others are encoded whole once the audio is done
 # Qwen3-TTS's own `non_streaming_mode` -> the engine's text layout (engine/prompt.py TEXT_LAYOUTS): all the text in
 # the prompt, or fed a token per frame
@@ -38,9 +45,10 @@ class SpeechRequest:
     seed: int | None
     stream: bool = True  # the audio goes out as it is made; False: one body once it is all made
     layout: str = DEFAULT_LAYOUT
+    speed: float = 1.0  # the tempo (2.0: twice as fast), pitch kept
 
 
-STRING_FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "language")
+STRING_FIELDS = ("model", "input", "instructions", "response_format", "stream_format", "language")
 # the socket's limits (voice, language, instructions), and this endpoint's own names; `input` has max_text_chars
 FIELD_LIMITS_HTTP = {**FIELD_LIMITS, "model": MAX_NAME_CHARS, "response_format": MAX_NAME_CHARS,
                      "stream_format": MAX_NAME_CHARS}
@@ -63,7 +71,8 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
     if len(text) > gateway.limits.max_text_chars:
         raise HTTPFailure(400, "text_too_long", f"input takes at most {gateway.limits.max_text_chars} characters")
     _check_model(body.get("model"), gateway)
-    _check_speed(body.get("speed", 1.0))
+    voice = _voice(body)
+    speed = _speed(body)
     response_format = body.get("response_format") or "wav"
     if response_format not in HTTP_FORMATS or (response_format == "mp3" and not mp3_available()):
         offered = [f for f in HTTP_FORMATS if f != "mp3" or mp3_available()]
@@ -79,8 +88,8 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise _bad(f"seed must be an integer from 0 to {MAX_SEED}")
     sse = stream_format == "sse"
-    return SpeechRequest(text, body.get("voice"), body.get("instructions"), body.get("language") or "auto",
-                         response_format, sse, seed, _stream(body, response_format, sse), _layout(body))
+    return SpeechRequest(text, voice, body.get("instructions"), body.get("language") or "auto",
+                         response_format, sse, seed, _stream(body, response_format, sse), _layout(body), speed)
 
 
 def _check_strings(body: dict) -> None:
@@ -95,11 +104,38 @@ def _check_strings(body: dict) -> None:
 
 def _check_model(model: str | None, gateway: Gateway) -> None:
     """The served model by its announced name or hub id (`Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice`, what tools written
-    for the official model send), or one of OpenAI's names."""
-    accepted = (*gateway.model_names, *OPENAI_MODEL_NAMES)
-    if model is not None and model not in accepted:
+    for the official model send), or any of OpenAI's speech models (what OpenAI's clients send); another model's name
+    is a mistake worth saying."""
+    if model is not None and model not in gateway.model_names and not OPENAI_TTS_MODEL.fullmatch(model):
         raise _bad(f"unknown model {model[:64]!r}; this server serves {gateway.model_name!r}: use one of "
-                   f"{', '.join(accepted)}")
+                   f"{', '.join(gateway.model_names)}, or an OpenAI speech model: {OPENAI_MODEL_EXAMPLES}")
+
+
+def _voice(body: dict) -> str | None:
+    """`voice` as a string or in the object form OpenAI's SDK sends (`{"id": ...}`); None: the default."""
+    voice = body.get("voice")
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+        if not isinstance(voice, str):
+            raise _bad('voice as an object must be {"id": string}')
+    elif voice is not None and not isinstance(voice, str):
+        raise _bad('voice must be a string or {"id": string}')
+    try:
+        check_limit("voice", voice or "", limits=FIELD_LIMITS_HTTP)
+    except ProtocolError as failure:
+        raise HTTPFailure.of(failure) from None
+    return voice or None
+
+
+def _speed(body: dict) -> float:
+    """OpenAI's range; absent or null is 1.0, as other fields' null is their default."""
+    low, high = SPEED_RANGE
+    speed = body.get("speed")
+    if speed is None:
+        return 1.0
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not low <= speed <= high:
+        raise _bad(f"speed must be a number from {low} to {high}")
+    return float(speed)
 
 
 def _stream(body: dict, response_format: str, sse: bool) -> bool:
@@ -134,26 +170,18 @@ def _bad(message: str) -> HTTPFailure:
     return HTTPFailure(400, "invalid_message", message)
 
 
-def _check_speed(speed: object) -> None:
-    low, high = SPEED_RANGE
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not low <= speed <= high:
-        raise _bad(f"speed must be a number from {low} to {high}")
-    if speed != 1.0:
-        raise _bad("speed other than 1.0 is not supported yet")
-
-
 def start_speech(request: SpeechRequest, gateway: Gateway) -> AsyncIterator[np.ndarray]:
     """The request's audio chunks (float32, the model's rate) as they are made; raises HTTPFailure for a bad voice or
     language at once."""
     try:
-        voice = gateway.voices.resolve(request.voice, request.instructions)
+        voice = gateway.voices.resolve(gateway.voices.openai_voice(request.voice), request.instructions)
         template = gateway.template(voice, request.language, Sampling(seed=request.seed), request.layout)
     except VoiceError as failure:  # an unknown voice or language
         raise HTTPFailure(400, failure.code, str(failure)) from None
     speech = gateway.speech_context(template, "none", 0)
     speech.append(request.text)
     speech.end()
-    return _chunks(speech)
+    return _chunks(speech) if request.speed == 1.0 else _stretched(_chunks(speech), request.speed)
 
 
 async def _chunks(speech) -> AsyncIterator[np.ndarray]:
@@ -165,6 +193,17 @@ async def _chunks(speech) -> AsyncIterator[np.ndarray]:
                 raise engine_http_failure(item.error)
     finally:
         speech.cancel()  # a client that went away frees the engine at once
+
+
+async def _stretched(chunks: AsyncIterator[np.ndarray], speed: float) -> AsyncIterator[np.ndarray]:
+    """`chunks` at another tempo, still streaming; closing this closes `chunks` (which frees the engine)."""
+    stretch = TimeStretch(speed)
+    async with contextlib.aclosing(chunks):
+        async for samples in chunks:
+            if len(out := stretch.feed(samples)):
+                yield out
+    if len(rest := stretch.flush()):
+        yield rest
 
 
 async def whole_file(chunks: AsyncIterator[np.ndarray], response_format: str) -> tuple[bytes, str]:

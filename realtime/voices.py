@@ -1,6 +1,6 @@
 """The voices a served model offers: CustomVoice speakers, the VoiceDesign voice (described by `instructions`), and
-the Base model's clone voices given at start-up. Resolves a client's voice id into the engine's `Voice`, and
-checks languages against the model."""
+the Base model's clone voices given at start-up. Resolves a client's voice id into the engine's `Voice`, maps
+OpenAI's voice names (for the speech endpoint) onto them, and checks languages against the model."""
 from __future__ import annotations
 
 import sys
@@ -17,6 +17,21 @@ from realtime.ws.protocol import ProtocolError
 DESIGN_VOICE = "design"
 VOICE_CACHE_BYTES = 4 * 1024 * 1024  # voices with instructions (free text) kept for reuse, least recently used out
 VOICE_ENTRY_BYTES = 512  # what a cached voice costs beside its text
+# OpenAI's voice names -> the official CustomVoice speaker of a like voice (women to women, men to men, the deep onyx
+# to the low uncle_fu); a name whose speaker this model lacks maps to its default voice; `--openai-voice` chooses
+OPENAI_VOICES = {"alloy": "vivian", "ash": "ryan", "ballad": "aiden", "coral": "serena", "echo": "eric",
+                 "fable": "dylan", "nova": "sohee", "onyx": "uncle_fu", "sage": "ono_anna", "shimmer": "serena",
+                 "verse": "aiden", "marin": "vivian", "cedar": "ryan"}
+
+
+def parse_openai_voice(spec: str) -> tuple[str, str]:
+    """NAME=VOICE, as `--openai-voice` takes it: one of OpenAI's voice names and a voice of the served model."""
+    name, sep, voice = (part.strip() for part in spec.partition("="))
+    if not sep or not voice:
+        raise ValueError(f"--openai-voice wants NAME=VOICE (alloy=vivian), got {spec!r}")
+    if name.lower() not in OPENAI_VOICES:
+        raise ValueError(f"--openai-voice {spec!r}: {name!r} is not an OpenAI voice name ({', '.join(OPENAI_VOICES)})")
+    return name.lower(), voice
 
 
 @dataclass(frozen=True)
@@ -44,7 +59,8 @@ class VoiceError(Exception):
 
 
 class VoiceCatalog:
-    def __init__(self, tts: TTSModel, clones: list[CloneVoice] = ()) -> None:
+    def __init__(self, tts: TTSModel, clones: list[CloneVoice] = (),
+                 openai_voices: tuple[tuple[str, str], ...] = ()) -> None:
         self.tts = tts
         self.variant = tts.model_type
         self._clones: dict[str, Voice] = {}
@@ -61,6 +77,25 @@ class VoiceCatalog:
                 self.ids.append(clone.name)
         if not self.ids:
             raise ValueError("a Base model clones voices: give at least one --clone-voice NAME=WAV[:TRANSCRIPT]")
+        self.openai_voices = self._map_openai_voices(dict(openai_voices))
+
+    def _map_openai_voices(self, chosen: dict[str, str]) -> dict[str, str]:
+        """Each OpenAI voice name -> a voice id of this model: `chosen`, else OPENAI_VOICES' like speaker, else the
+        default; a chosen voice the model lacks stops the server at start-up."""
+        mapped = {}
+        for name, speaker in OPENAI_VOICES.items():
+            voice = chosen.get(name)
+            if voice is not None and self._key(voice) not in self.ids:
+                raise ValueError(f"--openai-voice {name}={voice}: {self._unknown(voice)}")
+            mapped[name] = self._key(voice) if voice is not None else speaker if speaker in self.ids else self.default
+        return mapped
+
+    def openai_voice(self, voice_id: str | None) -> str | None:
+        """The model's voice for one of OpenAI's voice names; any other id as it is (the model's own voices first:
+        a clone named `alloy` stays itself)."""
+        if voice_id is None or self._key(voice_id) in self.ids:
+            return voice_id
+        return self.openai_voices.get(voice_id.lower(), voice_id)
 
     @property
     def default(self) -> str:
@@ -73,7 +108,7 @@ class VoiceCatalog:
         voices = [{"id": voice, "variant": self.variant, "languages": self.tts.config.languages,
                    "instructions": "required" if self.variant == "voice_design" else instructions}
                   for voice in self.ids]
-        return {"voices": voices, "default": self.default}
+        return {"voices": voices, "default": self.default, "openai_voices": self.openai_voices}
 
     def check_voice(self, voice_id: str) -> None:
         """A session's default voice must exist (PROTOCOL.md: a bad session.start field is `invalid_config`)."""

@@ -225,3 +225,21 @@ def test_barge_in_before_the_first_token_an_overlong_reply_and_a_closed_audio_so
         asyncio.run(early_cancel(server, llm))
         asyncio.run(overlong(server, llm))
         asyncio.run(audio_socket_closes(server, llm))
+
+
+def test_a_full_completions_address_and_no_key_reach_the_llm_without_authorization():
+    """`--llm-url` may name `.../chat/completions` itself; without `--llm-api-key` no Authorization header goes out
+    (the SDK would otherwise insist on one)."""
+    async def go(server):
+        tts, session_id, chat, _ = await open_pair(server)
+        await ask(chat, session_id, "r", "c", "Hi")
+        done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
+        await tts.close()
+        await chat.close()
+        return done
+
+    with running_fake_llm(REPLY, token_delay_s=0.01) as llm, \
+            running_server(Limits(api_keys=("k",)), llm=LLMConfig(llm.url + "/chat/completions/", "m")) as server:
+        done = asyncio.run(go(server))
+        assert done["reason"] == "stop" and done["text"] == "".join(REPLY)
+        assert llm.calls[-1].authorization is None and llm.calls[-1].outcome == "complete"

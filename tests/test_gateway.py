@@ -444,7 +444,7 @@ def test_http_speech_voices_health_ready_metrics(server):
                                                       "stream_format": "sse"}, token)
     events = [json.loads(line[6:]) for line in sse.decode().splitlines() if line.startswith("data: ")]
     assert events[-1]["type"] == "speech.audio.done" and events[0]["type"] == "speech.audio.delta"
-    for body, code in [({"input": "Hi.", "speed": 1.5}, "invalid_message"), ({"input": "Hi.", "voice": "alloy"},
+    for body, code in [({"input": "Hi.", "speed": 4.5}, "invalid_message"), ({"input": "Hi.", "voice": "nobody"},
                        "unknown_voice"), ({"input": ""}, "empty_text"), ({"voice": "ryan"}, "invalid_message"),
                        ({"input": "Hi.", "response_format": "aac"}, "unsupported_format")]:
         status, _, error = server.post("/v1/audio/speech", body, token)

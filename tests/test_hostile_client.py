@@ -256,12 +256,14 @@ def test_hostile_socket_messages_get_specific_errors_and_hurt_no_one(server, hea
 # --- the speech endpoint ------------------------------------------------------------------------------------------
 
 HTTP_VALID = {
-    "model": st.sampled_from(["tts-1", "gpt-4o-mini-tts", "nope", "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"]),
+    "model": st.sampled_from(["tts-1", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15", "whisper-1", "nope",
+                              "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"]),
     "input": st.sampled_from(["Hello there.", "Hi!", "\u4f60\u597d\u3002"]),
-    "voice": VALID["voice"], "instructions": VALID["instructions"], "language": VALID["language"],
+    "voice": VALID["voice"] | st.sampled_from(["alloy", {"id": "cedar"}, {"id": 3}, {}]),
+    "instructions": VALID["instructions"], "language": VALID["language"],
     "response_format": st.sampled_from(["pcm", "wav", "opus", "flac", "mp3", "aac", "ogg"]),
     "stream_format": st.sampled_from(["audio", "sse", "chunks"]),
-    "speed": st.sampled_from([1.0, 1, 0.25, 4.0, 4.1, 0]),
+    "speed": st.sampled_from([1.0, 1, 0.25, 0.5, 2.0, 4.0, 4.1, 0, None]),
     "seed": st.sampled_from([0, 2**63 - 1, 2**63, 2**64, -1]),
     "stream": st.booleans(),  # what tools written for the official Qwen3-TTS server send
     "non_streaming_mode": st.booleans(),

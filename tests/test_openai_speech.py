@@ -1,0 +1,177 @@
+"""`POST /v1/audio/speech` as OpenAI's own SDK calls it, against a real server (the tiny model): `speed` (the duration
+scales by 1 / speed, streamed or whole), OpenAI's voice names (the default mapping and `--openai-voice`) and the
+SDK's `{"id": ...}` voice form, and OpenAI's model names, dated ones included; the new fields fuzzed at the parser."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.tts import TTSModel
+from realtime.cli import main
+from realtime.errors import HTTPFailure
+from realtime.gateway import Limits
+from realtime.speech_http import parse_speech_request
+from realtime.voices import OPENAI_VOICES, VoiceCatalog, parse_openai_voice
+from tests.gateway_server import running_server
+
+KEY = "k"
+TEXT = "Hello there."
+SEED = {"seed": 7}  # the same audio for the same body: durations and voices compare exactly
+OPENAI_MODELS = ["tts-1", "tts-1-hd", "tts-1-1106", "tts-1-hd-1106", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15",
+                 "gpt-4o-mini-tts-2025-03-20"]
+OTHER_MODELS = ["whisper-1", "gpt-4o", "gpt-4o-mini-transcribe", "dall-e-3", "TTS-1", "tts-2",
+                "Qwen/Qwen3-TTS-12Hz-0.6B-Base", "gpt-4o-mini-tts-latest"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(Limits(api_keys=(KEY,)), openai_voices=(("alloy", "Ryan"),)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def pcm(client: openai.OpenAI, voice: str | dict = "vivian", extra: dict | None = None, **fields) -> bytes:
+    return client.audio.speech.create(model="gpt-4o-mini-tts-2025-12-15", voice=voice, input=TEXT,
+                                      response_format="pcm", extra_body={**SEED, **(extra or {})}, **fields).content
+
+
+# --- speed -------------------------------------------------------------------------------------------------------
+
+def test_speed_half_doubles_the_duration_and_two_halves_it(client):
+    normal = len(pcm(client)) // 2
+    assert normal > 0
+    for speed in (0.5, 2.0):
+        samples = len(pcm(client, speed=speed)) // 2
+        assert samples / normal == pytest.approx(1 / speed, rel=0.02), speed
+        assert samples == round(normal / speed)  # what the time-stretch guarantees, exactly
+
+
+def test_stretched_audio_streams_and_equals_the_whole_body(client):
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="vivian", input=TEXT, response_format="pcm", speed=0.5, extra_body=SEED) as response:
+        assert response.headers["transfer-encoding"] == "chunked"
+        streamed = b"".join(response.iter_bytes())
+    whole = pcm(client, speed=0.5, extra={"stream": False})
+    assert streamed == whole and len(whole) > 0
+
+
+@pytest.mark.parametrize("speed", [0.2, 4.01, 0, -1, "fast", True, [1.0]])
+def test_a_speed_outside_openais_range_is_refused(client, speed):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.audio.speech.create(model="tts-1", voice="vivian", input=TEXT, extra_body={"speed": speed})
+    assert refused.value.code == "invalid_message" and "speed" in refused.value.message
+
+
+# --- voices ------------------------------------------------------------------------------------------------------
+
+def test_openai_voice_names_and_the_id_object_speak_with_the_mapped_voice(client, server):
+    """alloy was mapped with --openai-voice alloy=Ryan; nova keeps the default mapping (sohee)."""
+    mapping = json.loads(server.get("/v1/voices", KEY)[1])["openai_voices"]
+    assert mapping["alloy"] == "ryan" and mapping["nova"] == OPENAI_VOICES["nova"] == "sohee"
+    assert set(mapping) == set(OPENAI_VOICES)
+    ryan, sohee = pcm(client, "ryan"), pcm(client, "sohee")
+    assert ryan != sohee
+    assert pcm(client, "alloy") == ryan and pcm(client, {"id": "alloy"}) == ryan
+    assert pcm(client, {"id": "nova"}) == sohee and pcm(client, "Nova") == sohee
+
+
+@pytest.mark.parametrize("voice, code", [("nobody", "unknown_voice"), ({"id": "nobody"}, "unknown_voice"),
+                                         ({"id": 5}, "invalid_message"), ({"name": "alloy"}, "invalid_message"),
+                                         (["alloy"], "invalid_message"), ("v" * 129, "invalid_message")])
+def test_a_bad_voice_is_refused_by_name(client, voice, code):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.audio.speech.create(model="tts-1", voice=voice, input=TEXT)
+    assert refused.value.code == code and "voice" in refused.value.message
+
+
+def test_every_openai_voice_maps_onto_a_voice_the_model_has(server, tiny_checkpoints):
+    tts = server.gateway.tts
+    catalog = VoiceCatalog(tts)
+    assert catalog.openai_voices == OPENAI_VOICES  # the tiny model has the official speakers
+    design = VoiceCatalog(TTSModel.load(tiny_checkpoints["voice_design"]))
+    assert set(design.openai_voices.values()) == {"design"}  # no speakers: the model's one voice
+    with pytest.raises(ValueError, match="unknown voice 'nobody'"):
+        VoiceCatalog(tts, openai_voices=(("echo", "nobody"),))
+
+
+@pytest.mark.parametrize("spec, problem", [("alloy", "NAME=VOICE"), ("alloy=", "NAME=VOICE"),
+                                           ("robot=vivian", "not an OpenAI voice name")])
+def test_the_openai_voice_option_is_checked_before_the_model_loads(spec, problem, capsys):
+    with pytest.raises(ValueError, match=problem):
+        parse_openai_voice(spec)
+    assert main(["serve", "--openai-voice", spec]) == 2
+    assert problem in capsys.readouterr().err
+    assert parse_openai_voice(" Shimmer = serena ") == ("shimmer", "serena")
+
+
+# --- models ------------------------------------------------------------------------------------------------------
+
+def test_openai_model_names_are_taken_and_other_models_refused(client):
+    assert len(pcm(client)) > 0  # a dated name, through the server
+    for model in OTHER_MODELS:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.audio.speech.create(model=model, voice="vivian", input=TEXT)
+        assert refused.value.code == "invalid_message" and "gpt-4o-mini-tts" in refused.value.message, model
+
+
+# --- the parser, fuzzed ------------------------------------------------------------------------------------------
+
+GATEWAY = SimpleNamespace(limits=Limits(), model_name="tiny", model_names=("tiny",))
+NUMBERS = st.integers(-10**18, 10**18) | st.floats(allow_nan=False, allow_infinity=False)
+JSON_VALUES = st.recursive(st.none() | st.booleans() | NUMBERS | st.text(),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+                           max_leaves=6)
+
+
+def parsed(**fields) -> object:
+    """The parsed request, or the HTTPFailure it raised."""
+    try:
+        return parse_speech_request(json.dumps({"input": "Hi.", **fields}).encode(), GATEWAY)
+    except HTTPFailure as failure:
+        return failure
+
+
+@settings(max_examples=300, deadline=None)
+@given(speed=NUMBERS | st.floats(0.25, 4.0) | JSON_VALUES)
+def test_speed_is_a_number_from_a_quarter_to_four(speed):
+    result = parsed(speed=speed)
+    if speed is None:  # as if absent
+        assert result.speed == 1.0
+    elif not isinstance(speed, bool) and isinstance(speed, (int, float)) and 0.25 <= speed <= 4.0:
+        assert result.speed == speed
+    else:
+        assert (result.status, result.code) == (400, "invalid_message") and "speed" in result.message
+
+
+@settings(max_examples=300, deadline=None)
+@given(voice=st.text(max_size=140) | st.fixed_dictionaries({"id": st.text(max_size=140)}) | JSON_VALUES)
+def test_voice_is_a_string_or_an_id_object(voice):
+    result = parsed(voice=voice)
+    name = voice.get("id") if isinstance(voice, dict) else voice
+    if voice is None or isinstance(name, str) and len(name) <= 128:
+        assert result.voice == (name or None)
+    else:
+        assert (result.status, result.code) == (400, "invalid_message") and "voice" in result.message
+
+
+@settings(max_examples=300, deadline=None)
+@given(model=st.sampled_from(OPENAI_MODELS + OTHER_MODELS + ["tiny"]) | st.text(max_size=40)
+       | st.from_regex(r"gpt-4o(-mini)?-tts-20[0-9]{2}-[01][0-9]-[0-3][0-9]", fullmatch=True))
+def test_model_is_the_served_one_or_an_openai_speech_model(model):
+    result = parsed(model=model)
+    dated = model.startswith("gpt-4o") and model[-10:-6] == "-20"
+    if isinstance(result, HTTPFailure):
+        assert (result.status, result.code) == (400, "invalid_message") and "unknown model" in result.message
+        assert model not in (*OPENAI_MODELS, "tiny") and not dated
+    else:
+        assert model in (*OPENAI_MODELS, "tiny") or dated or model.startswith(("tts-1", "gpt-")) and "tts" in model
+        assert model not in OTHER_MODELS
