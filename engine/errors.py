@@ -26,6 +26,18 @@ class AudioInputError(RequestError):
     """A reference audio cannot be read or is unusable."""
 
 
+class UnreadableAudio(AudioInputError):
+    """Not audio that libsndfile can decode, no samples, or samples that are not finite."""
+
+
+class ReferenceTooShort(AudioInputError):
+    """A reference audio shorter than the least a voice can be cloned from."""
+
+
+class ReferenceTooLong(AudioInputError):
+    """A reference audio longer than the caller allows (told from its header, before it is decoded)."""
+
+
 class EmptyText(RequestError):
     """The request's text has nothing to speak."""
 

@@ -147,12 +147,29 @@ class TTSModel:
         audio, rate = (load_reference_audio(request.ref_audio) if isinstance(request.ref_audio, Path)
                        else (to_mono(request.ref_audio[0]), int(request.ref_audio[1])))
         audio_24k = resample(audio, rate, self.config.speaker_encoder.sample_rate)
-        xvector = self.speaker_encoder.embed(audio_24k).to(self.device, self.dtype)
+        xvector = self.speaker_encoder.embed(audio_24k)
         if request.x_vector_only:
-            return Voice(xvector=xvector)
-        codes = self.reference_encoder.encode(audio, rate).to(self.device)
-        return Voice(xvector=xvector, ref_codes=codes,
-                     ref_text_ids=self.tokenizer.reference_text(request.ref_text))
+            return self.voice_from_parts(xvector)
+        return self.voice_from_parts(xvector, self.reference_encoder.encode(audio, rate), request.ref_text)
+
+    def voice_from_parts(self, xvector: torch.Tensor, ref_codes: torch.Tensor | None = None,
+                         ref_text: str | None = None) -> Voice:
+        """A clone voice from its encoded parts (a voice stored beside its speaker embedding and reference codes is
+        not encoded again): x-vector only without `ref_codes`, in-context with them and their transcript. Raises
+        RequestError when the parts cannot belong to this model."""
+        if self.model_type != "base":
+            raise RequestError(f"a cloned voice is for a Base model; this model is {self.model_type}")
+        hidden, groups = self.config.speaker_encoder.enc_dim, self.config.talker.num_code_groups
+        if tuple(xvector.shape) != (hidden,):
+            raise RequestError(f"a speaker embedding of shape {tuple(xvector.shape)} does not fit this model "
+                               f"({hidden},)")
+        if ref_codes is None:
+            return Voice(xvector=xvector.to(self.device, self.dtype))
+        if ref_codes.dim() != 2 or ref_codes.shape[1] != groups or not (ref_text or "").strip():
+            raise RequestError(f"reference codes must be [frames, {groups}] with their transcript")
+        check_text("ref_text", ref_text)
+        return Voice(xvector=xvector.to(self.device, self.dtype), ref_codes=ref_codes.long().to(self.device),
+                     ref_text_ids=self.tokenizer.reference_text(ref_text))
 
     @property
     def speaker_encoder(self):

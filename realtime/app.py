@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway
 from realtime.speech_http import SpeechRequest, parse_speech_request, sse_events, start_speech, whole_file
+from realtime.voice_library import read_upload
 from realtime.ws.protocol import (
     CLOSE_OVERLOADED,
     CLOSE_POLICY,
@@ -78,18 +79,29 @@ def create_app(gateway: Gateway) -> Starlette:
         return JSONResponse(gateway.voices.describe())
 
     async def speech(request: Request) -> Response:
-        refused = _refusal(request, gateway, auth)
-        if refused is not None:
-            return refused
-        try:
+        async def handle() -> Response:
             spoken = parse_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
-            response = await _speech_response(spoken, start_speech(spoken, gateway))
-        except HTTPFailure as failure:
-            gateway.metrics.http_requests.labels(status=str(failure.status)).inc()
-            gateway.metrics.errors.labels(code=failure.code).inc()
-            return JSONResponse(failure.body(), status_code=failure.status)
-        gateway.metrics.http_requests.labels(status="200").inc()
-        return response
+            return await _speech_response(spoken, start_speech(spoken, gateway))
+        return await _http(request, gateway, auth, handle)
+
+    async def library_voices(request: Request) -> Response:
+        """GET lists the stored voices, POST uploads one (multipart form: voice_library.py)."""
+        async def handle() -> Response:
+            if request.method == "GET":
+                return JSONResponse({"voices": gateway.library.voices()})
+            upload = await read_upload(request, gateway.limits.max_voice_upload_bytes)
+            created = await gateway.library.create(upload)
+            return JSONResponse(created, 201, headers={"Location": f"/v1/audio/voices/{created['id']}"})
+        return await _http(request, gateway, auth, handle)
+
+    async def library_voice(request: Request) -> Response:
+        voice_id = request.path_params["voice_id"]
+
+        async def handle() -> Response:
+            if request.method == "GET":
+                return JSONResponse(gateway.library.voice(voice_id))
+            return JSONResponse(await gateway.library.delete(voice_id))
+        return await _http(request, gateway, auth, handle)
 
     async def tts_socket(websocket: WebSocket) -> None:
         await websocket.accept()
@@ -115,12 +127,30 @@ def create_app(gateway: Gateway) -> Starlette:
     routes = [
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/audio/voices", library_voices, methods=["GET", "POST"]),
+        Route("/v1/audio/voices/{voice_id}", library_voice, methods=["GET", "DELETE"]),
         WebSocketRoute("/v1/tts/stream", tts_socket), WebSocketRoute("/v1/chat", chat),
     ]
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
         routes += [Route("/", demo_page),
                    Mount("/static", StaticFiles(directory=WEB_DIR))]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable[[], Awaitable[Response]]
+                ) -> Response:
+    """An API request after the key and readiness checks, its refusal (HTTPFailure) as JSON, counted either way."""
+    refused = _refusal(request, gateway, auth)
+    if refused is not None:
+        return refused
+    try:
+        response = await handle()
+    except HTTPFailure as failure:
+        gateway.metrics.http_requests.labels(status=str(failure.status)).inc()
+        gateway.metrics.errors.labels(code=failure.code).inc()
+        return JSONResponse(failure.body(), status_code=failure.status)
+    gateway.metrics.http_requests.labels(status=str(response.status_code)).inc()
+    return response
 
 
 async def _body(request: Request, max_bytes: int) -> bytes:

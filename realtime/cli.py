@@ -84,6 +84,7 @@ def run_synth(args: argparse.Namespace) -> None:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     from realtime.gateway import Limits
+    from realtime.voice_store import default_data_dir
 
     d = Limits()
     p = sub.add_parser("serve", help="run the realtime gateway (WebSocket voxgate.v1 and HTTP)",
@@ -113,6 +114,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--openai-voice", action="append", default=[], metavar="NAME=VOICE",
                    help="the model's voice for one of OpenAI's voice names on POST /v1/audio/speech (alloy=vivian; "
                         "repeatable; GET /v1/voices shows the mapping)")
+    p.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                   help="where the voice library (POST /v1/audio/voices) is stored; the default is "
+                        "$XDG_DATA_HOME/voxgate, or ~/.local/share/voxgate")
+    p.add_argument("--max-voice-upload-bytes", type=int, default=d.max_voice_upload_bytes,
+                   help="a voice upload's body (reference audio and fields)")
+    p.add_argument("--max-stored-voices", type=int, default=d.max_stored_voices,
+                   help="the voice library's voices per checkpoint")
     p.add_argument("--allowed-origin", action="append", default=[], help="browser Origin allowed (none: any)")
     p.add_argument("--max-batch", type=int, help="engine slots (default: 64 on a GPU, 8 on the CPU)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
@@ -136,7 +144,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from realtime.server import connection_cap, serve
     from realtime.voices import CloneVoice, parse_openai_voice
 
-    for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms"):
+    for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms",
+                 "max_voice_upload_bytes", "max_stored_voices"):
         if getattr(args, name) < 1:
             raise VoxgateError(f"--{name.replace('_', '-')} must be at least 1")
     if args.idle_timeout <= 0 or args.max_message_rate <= 0 or args.handshake_timeout <= 0:
@@ -148,7 +157,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise VoxgateError(str(failure)) from None
     limits = Limits(args.max_sessions, args.max_contexts, args.max_text_chars, args.max_message_bytes,
                     args.idle_timeout, args.send_queue_ms, args.max_message_rate, api_keys(args),
-                    tuple(args.allowed_origin), args.handshake_timeout, args.max_connections)
+                    tuple(args.allowed_origin), args.handshake_timeout, args.max_connections,
+                    max_voice_upload_bytes=args.max_voice_upload_bytes, max_stored_voices=args.max_stored_voices)
     if connection_cap(limits) <= limits.max_sessions:
         raise VoxgateError("--max-connections must be more than --max-sessions")
     if bool(args.llm_url) != bool(args.llm_model):
@@ -157,7 +167,8 @@ def run_serve(args: argparse.Namespace) -> int:
     llm = LLMConfig(args.llm_url, args.llm_model, llm_key, args.llm_system_prompt) if args.llm_url else None
     options = GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm, dtype=args.dtype,
                              engine_process={"auto": None, "on": True, "off": False}[args.engine_process],
-                             synthetic_frames_per_token=args.synthetic_frames_per_token, openai_voices=openai_voices)
+                             synthetic_frames_per_token=args.synthetic_frames_per_token, openai_voices=openai_voices,
+                             data_dir=args.data_dir)
     try:
         return serve(options, args.host, args.port)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop

@@ -50,3 +50,15 @@ def engine_http_failure(error: BaseException | None) -> HTTPFailure:
 def _classify(error: BaseException | None) -> tuple[str, int]:
     return next(((code, status) for kind, code, status in ENGINE_ERRORS if isinstance(error, kind)),
                 ("synthesis_failed", 500))
+
+
+# /v1/audio/voices: the codes of the voice library (docs/protocol.md) and their statuses; the socket never sends them
+VOICE_LIBRARY_STATUS = {
+    "invalid_message": 400, "text_too_long": 400, "invalid_audio": 400, "audio_too_short": 400,
+    "audio_too_long": 400, "audio_silent": 400, "unsupported_model": 400, "unknown_voice": 404,
+    "voice_exists": 409, "voice_limit": 409, "upload_too_large": 413}
+
+
+def voice_failure(code: str, message: str) -> HTTPFailure:
+    """A refused voice library request, its status by its code."""
+    return HTTPFailure(VOICE_LIBRARY_STATUS[code], code, message)

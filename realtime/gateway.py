@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint import checkpoint_fingerprint
 from engine.config import load_model_config
 from engine.core.engine import Engine, EngineConfig
 from engine.errors import EngineFailed, VoxgateError
@@ -28,6 +29,8 @@ from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
 from realtime.llm import LLMConfig
 from realtime.metrics import Metrics
+from realtime.voice_library import UPLOAD_VARIANTS, VoiceLibrary
+from realtime.voice_store import VoiceStore, check_data_dir
 from realtime.voices import CloneVoice, VoiceCatalog
 from realtime.ws.protocol import Sampling
 from realtime.ws.speech_context import SpeechContext
@@ -54,6 +57,8 @@ class Limits:
     allowed_origins: tuple[str, ...] = ()
     handshake_timeout_s: float = 5.0  # a request's headers (a WebSocket handshake's too) must arrive within this
     max_connections: int | None = None  # open TCP connections, HTTP and WebSocket; None: 2 * max_sessions + 64
+    max_voice_upload_bytes: int = 16 * 1024 * 1024  # a POST /v1/audio/voices body
+    max_stored_voices: int = 1000  # the library's voices per checkpoint
 
 
 @dataclass(frozen=True)
@@ -70,15 +75,18 @@ class GatewayOptions:
     engine_setup: Callable[[Engine], None] | None = None  # run on each engine built (EngineSpec.setup): test faults
     synthetic_frames_per_token: float | None = None  # benchmark-only, random-weight checkpoints (EngineConfig)
     openai_voices: tuple[tuple[str, str], ...] = ()  # (OpenAI voice name, the model's voice): --openai-voice
+    data_dir: Path | None = None  # the voice library's directory; None: voices uploaded are kept in memory only
 
 
 def check_options(options: GatewayOptions) -> None:
     """What can be told before serving anything: the model exists and the device does, a synthetic length goes with
-    a random-weight checkpoint; raises VoxgateError with one line naming the problem (a checkpoint that is there but
+    a random-weight checkpoint, the data directory can be written; raises VoxgateError with one line naming the problem (a checkpoint that is there but
     cannot load fails the start-up, which exits)."""
     model_dir = resolve_model(options.model)[0] if options.model is not None else None
     if options.synthetic_frames_per_token is not None:
         _check_synthetic_length(options.synthetic_frames_per_token, model_dir)
+    if options.data_dir is not None:
+        check_data_dir(options.data_dir)
     try:
         device = torch.device(options.device)
     except RuntimeError:
@@ -111,6 +119,7 @@ class Gateway:
         self._model_name = "loading"
         self.hub_id: str | None = None  # the hub id the model came from, or its official one; None: not known
         self.voices: VoiceCatalog | None = None
+        self.library: VoiceLibrary | None = None
         self.engine: AsyncEngine | ProcessEngine | None = None
         self.sessions: set = set()
         self.shutting_down = False
@@ -141,7 +150,7 @@ class Gateway:
             started = time.perf_counter()
             log.info("loading the model from %s on %s", self.options.model or "the embedded tiny model",
                      self.options.device)
-            self.tts, self.voices = await asyncio.to_thread(self._load)
+            self.tts, self.voices, self.library = await asyncio.to_thread(self._load)
             log.info("model %s (%s) loaded in %.1f s; building the engine", self.model_name,
                      self.voices.variant, time.perf_counter() - started)
             await self._start_engine()
@@ -154,7 +163,7 @@ class Gateway:
         except Exception as failure:
             self._fatal(f"start-up failed: {type(failure).__name__}: {failure}")
 
-    def _load(self) -> tuple[TTSModel, VoiceCatalog]:
+    def _load(self) -> tuple[TTSModel, VoiceCatalog, VoiceLibrary]:
         from engine.synthetic.checkpoints import default_model_dir
 
         spec = self.options.model or default_model_dir()
@@ -162,7 +171,20 @@ class Gateway:
         tts = TTSModel.load(model_dir, device=self.options.device, dtype=self._dtype())
         self._model_name = name
         self.hub_id = str(spec) if is_hub_id(spec) else official_hub_id(tts.config, tts.speech)
-        return tts, VoiceCatalog(tts, list(self.options.clone_voices), self.options.openai_voices)
+        store = self._voice_store(tts)
+        catalog = VoiceCatalog(tts, list(self.options.clone_voices), store.voices() if store else [],
+                               self.options.openai_voices)
+        return tts, catalog, VoiceLibrary(tts, catalog, store, self.limits.max_stored_voices)
+
+    def _voice_store(self, tts: TTSModel) -> VoiceStore | None:
+        """The library of a model that can make voices (Base, VoiceDesign), keyed by its checkpoint's fingerprint."""
+        if tts.model_type not in UPLOAD_VARIANTS:
+            return None
+        store = VoiceStore.in_data_dir(self.options.data_dir, checkpoint_fingerprint(tts.model_dir))
+        others = store.other_models()
+        log.info("voice library %s: %d voices of this checkpoint%s", store.path or "in memory", store.count(),
+                 f" ({others} of other checkpoints, not served)" if others else "")
+        return store
 
     def _gpu(self) -> bool:
         return torch.device(self.options.device).type == "cuda"
@@ -204,8 +226,7 @@ class Gateway:
         return EngineConfig(max_batch=slots, synthetic_frames_per_token=synthetic)
 
     async def _warm_up(self) -> None:
-        request = self.template(self.voices.resolve(None, "a calm voice" if self.voices.variant == "voice_design"
-                                                    else None), "auto", Sampling(seed=0))
+        request = self.template(self.voices.warm_up_voice(), "auto", Sampling(seed=0))
         handle = self.engine.submit(replace(request, text="Warm up.", text_complete=True, max_frames=4))
         async for event in handle:
             if isinstance(event, Finished) and event.reason == "error":
@@ -308,3 +329,5 @@ class Gateway:
             task.cancel()
         if self.engine is not None:
             await self.engine.stop()
+        if self.library is not None and self.library.store is not None:
+            self.library.store.close()

@@ -1,6 +1,7 @@
-"""The voices a served model offers: CustomVoice speakers, the VoiceDesign voice (described by `instructions`), and
-the Base model's clone voices given at start-up. Resolves a client's voice id into the engine's `Voice`, maps
-OpenAI's voice names (for the speech endpoint) onto them, and checks languages against the model."""
+"""The voices a served model offers: CustomVoice speakers, the VoiceDesign voice (described by `instructions`), the
+Base model's clone voices given at start-up, and the voices of the library (`voice_library.py`: cloned or designed
+while the server runs, stored on disk). Resolves a client's voice id into the engine's `Voice`, maps OpenAI's voice
+names (for the speech endpoint) onto them, and checks languages against the model."""
 from __future__ import annotations
 
 import sys
@@ -9,9 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.errors import RequestError
 from engine.prompt import Voice
 from engine.tts import TTSModel, VoiceRequest
+from realtime.voice_store import StoredVoice
 from realtime.ws.protocol import ProtocolError
 
 DESIGN_VOICE = "design"
@@ -59,33 +63,35 @@ class VoiceError(Exception):
 
 
 class VoiceCatalog:
-    def __init__(self, tts: TTSModel, clones: list[CloneVoice] = (),
+    def __init__(self, tts: TTSModel, clones: list[CloneVoice] = (), stored: list[StoredVoice] = (),
                  openai_voices: tuple[tuple[str, str], ...] = ()) -> None:
         self.tts = tts
         self.variant = tts.model_type
         self._clones: dict[str, Voice] = {}
+        self._stored: dict[str, tuple[StoredVoice, Voice]] = {}  # the library's, in the order they were made
         self._described = _VoiceCache(VOICE_CACHE_BYTES)  # (speaker, instructions) -> voice
         if self.variant == "custom_voice":
-            self.ids = list(tts.config.speakers)
+            self.builtin_ids = list(tts.config.speakers)
         elif self.variant == "voice_design":
-            self.ids = [DESIGN_VOICE]
+            self.builtin_ids = [DESIGN_VOICE]
         else:
-            self.ids = []
+            self.builtin_ids = []
             for clone in clones:  # encoded once, at start-up: a bad reference audio stops the server there
                 self._clones[clone.name] = tts.voice(VoiceRequest(
                     ref_audio=clone.audio, ref_text=clone.transcript, x_vector_only=clone.transcript is None))
-                self.ids.append(clone.name)
-        if not self.ids:
-            raise ValueError("a Base model clones voices: give at least one --clone-voice NAME=WAV[:TRANSCRIPT]")
+                self.builtin_ids.append(clone.name)
+        for voice in stored:
+            self.add_stored(voice, engine_voice(tts, voice))
         self.openai_voices = self._map_openai_voices(dict(openai_voices))
 
-    def _map_openai_voices(self, chosen: dict[str, str]) -> dict[str, str]:
+    def _map_openai_voices(self, chosen: dict[str, str]) -> dict[str, str | None]:
         """Each OpenAI voice name -> a voice id of this model: `chosen`, else OPENAI_VOICES' like speaker, else the
-        default; a chosen voice the model lacks stops the server at start-up."""
+        default (None for a Base model with no voice yet); a chosen voice the model lacks stops the server at
+        start-up."""
         mapped = {}
         for name, speaker in OPENAI_VOICES.items():
             voice = chosen.get(name)
-            if voice is not None and self._key(voice) not in self.ids:
+            if voice is not None and not self.has(voice):
                 raise ValueError(f"--openai-voice {name}={voice}: {self._unknown(voice)}")
             mapped[name] = self._key(voice) if voice is not None else speaker if speaker in self.ids else self.default
         return mapped
@@ -93,13 +99,46 @@ class VoiceCatalog:
     def openai_voice(self, voice_id: str | None) -> str | None:
         """The model's voice for one of OpenAI's voice names; any other id as it is (the model's own voices first:
         a clone named `alloy` stays itself)."""
-        if voice_id is None or self._key(voice_id) in self.ids:
+        if voice_id is None or self.has(voice_id):
             return voice_id
         return self.openai_voices.get(voice_id.lower(), voice_id)
 
     @property
-    def default(self) -> str:
-        return "vivian" if "vivian" in self.ids else self.ids[0]
+    def ids(self) -> list[str]:
+        return [*self.builtin_ids, *self._stored]
+
+    @property
+    def default(self) -> str | None:
+        """vivian, or the first voice; None for a Base model with no voice yet (one is uploaded first)."""
+        ids = self.ids
+        return "vivian" if "vivian" in ids else (ids[0] if ids else None)
+
+    def has(self, voice_id: str) -> bool:
+        """A voice of that id exists (built in, given at start-up or stored); ids are case-sensitive, except the
+        speakers of a CustomVoice model."""
+        return voice_id in self._stored or self._key(voice_id) in self.builtin_ids
+
+    def add_stored(self, stored: StoredVoice, voice: Voice) -> None:
+        self._stored[stored.name] = (stored, voice)
+
+    def remove_stored(self, name: str) -> None:
+        """Gone for new contexts and requests; those already speaking with it keep their `Voice`."""
+        self._stored.pop(name, None)
+
+    def stored(self, name: str) -> StoredVoice | None:
+        entry = self._stored.get(name)
+        return entry[0] if entry is not None else None
+
+    def stored_voices(self) -> list[StoredVoice]:
+        return [stored for stored, _ in self._stored.values()]
+
+    def warm_up_voice(self) -> Voice:
+        """The default voice, or for a Base model with none yet a neutral (all-zero) speaker embedding: the warm-up
+        only checks that synthesis runs, its audio goes nowhere."""
+        if self.default is None:
+            return Voice(xvector=torch.zeros(self.tts.config.speaker_encoder.enc_dim, dtype=self.tts.dtype,
+                                             device=self.tts.device))
+        return self.resolve(None, "a calm voice" if self.variant == "voice_design" else None)
 
     def describe(self) -> dict[str, Any]:
         """The body of GET /v1/voices."""
@@ -107,12 +146,15 @@ class VoiceCatalog:
             self.variant == "custom_voice" and self.tts.config.tts_model_size != "0b6")
         voices = [{"id": voice, "variant": self.variant, "languages": self.tts.config.languages,
                    "instructions": "required" if self.variant == "voice_design" else instructions}
-                  for voice in self.ids]
+                  for voice in self.builtin_ids]
+        voices += [{"id": name, "variant": self.variant, "languages": self.tts.config.languages,
+                    "instructions": False, "stored": True, "kind": stored.kind}
+                   for name, (stored, _) in self._stored.items()]
         return {"voices": voices, "default": self.default, "openai_voices": self.openai_voices}
 
     def check_voice(self, voice_id: str) -> None:
         """A session's default voice must exist (PROTOCOL.md: a bad session.start field is `invalid_config`)."""
-        if self._key(voice_id) not in self.ids:
+        if not self.has(voice_id):
             raise ProtocolError("invalid_config", self._unknown(voice_id))
 
     def check_language(self, language: str) -> None:
@@ -140,10 +182,17 @@ class VoiceCatalog:
     def resolve(self, voice_id: str | None, instructions: str | None) -> Voice:
         """The engine voice for `voice_id` (None: the default) with optional instructions; raises VoiceError."""
         voice_id = voice_id or self.default
+        if voice_id is None:
+            raise VoiceError("unknown_voice", "this Base model has no voice yet: POST /v1/audio/voices clones one")
         key = self._key(voice_id)
-        if key not in self.ids:
+        if not self.has(voice_id):
             raise VoiceError("unknown_voice", self._unknown(voice_id))
         instructions = (instructions or "").strip() or None
+        if key in self._stored:
+            if instructions is not None:
+                raise VoiceError("invalid_config", f"the stored voice {key!r} does not take instructions (a "
+                                                   "designed voice keeps the instruction it was saved with)")
+            return self._stored[key][1]
         if self.variant == "voice_design" and instructions is None:
             raise VoiceError("invalid_config", "the VoiceDesign model needs `instructions` describing the voice")
         if self.variant == "base":
@@ -160,6 +209,14 @@ class VoiceCatalog:
             raise VoiceError("invalid_config", str(failure)) from None
         self._described.put((key, instructions), voice)
         return voice
+
+
+def engine_voice(tts: TTSModel, stored: StoredVoice) -> Voice:
+    """A stored voice as the engine takes it: its tensors on the model's device, nothing encoded again (a transcript
+    is tokenized, which takes microseconds). Raises RequestError when it does not fit the model."""
+    if stored.kind == "design":
+        return tts.voice(VoiceRequest(instruct=stored.instruction))
+    return tts.voice_from_parts(stored.xvector, stored.ref_codes, stored.transcript)
 
 
 class _VoiceCache:

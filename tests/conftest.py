@@ -21,6 +21,15 @@ VARIANTS = ("custom_voice", "voice_design", "base")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU through its interpreter
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_data_home(tmp_path_factory: pytest.TempPathFactory):
+    """No test writes to the real per-user data directory: `voxgate serve` processes the tests start (and their
+    children) keep their voice library under a temporary $XDG_DATA_HOME."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg_data_home")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def reference_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """variant -> directory of a tiny random checkpoint in the official layout (seed 0), written by the reference."""

@@ -14,6 +14,7 @@ What the reference (qwen-tts 0.1.1 on transformers 4.57.3) does, and this module
 """
 from __future__ import annotations
 
+import io
 import math
 import re
 from dataclasses import dataclass, fields
@@ -29,7 +30,7 @@ from torch import nn
 
 from engine.checkpoint import load_module, read_tensors
 from engine.config import SpeechTokenizerConfig, parse_speech_tokenizer_config, read_json
-from engine.errors import AudioInputError, CheckpointError
+from engine.errors import AudioInputError, CheckpointError, ReferenceTooLong, ReferenceTooShort, UnreadableAudio
 from engine.model.layers import LayerScale, RotaryEmbedding, apply_rope, repeat_kv
 
 MIN_REFERENCE_SECONDS = 0.5
@@ -41,7 +42,7 @@ CHECKPOINT_PREFIX = "encoder."
 # ---------------------------------------------------------------------------------------------------------------------
 
 def load_reference_audio(path: str | Path) -> tuple[np.ndarray, int]:
-    """Read a WAV/FLAC/OGG file as mono float32 (channels averaged) and its sample rate.
+    """Read a reference audio file as mono float32 (channels averaged) and its sample rate.
 
     Rule: the file must exist, be readable by libsndfile, and hold at least MIN_REFERENCE_SECONDS of finite samples;
     anything else raises AudioInputError naming the file. Silence is not rejected (it is valid, if useless, audio).
@@ -49,20 +50,37 @@ def load_reference_audio(path: str | Path) -> tuple[np.ndarray, int]:
     path = Path(path)
     if not path.is_file():
         raise AudioInputError(f"reference audio not found: {path}")
+    return decode_reference_audio(path, f"reference audio {path}")
+
+
+def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float = MIN_REFERENCE_SECONDS,
+                           max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+    """A file or its bytes (WAV, FLAC, OGG, MP3, ... whatever libsndfile reads) as mono float32 and its rate.
+
+    Raises UnreadableAudio (not decodable, no samples, NaN or infinite samples), ReferenceTooShort (under
+    `min_seconds`, at least MIN_REFERENCE_SECONDS) and ReferenceTooLong (over `max_seconds`, told from the header before decoding, so that a
+    small compressed file cannot expand into minutes of samples); `name` starts each message."""
     try:
-        audio, sample_rate = sf.read(str(path), dtype="float32", always_2d=True)
+        with sf.SoundFile(io.BytesIO(source) if isinstance(source, bytes) else str(source)) as file:
+            rate = int(file.samplerate)
+            if max_seconds is not None and file.frames / rate > max_seconds:
+                raise ReferenceTooLong(f"{name} is too long ({file.frames / rate:.1f} s); at most {max_seconds:g} s "
+                                       "is taken")
+            audio = file.read(dtype="float32", always_2d=True)
+    except AudioInputError:
+        raise
     except Exception as exc:  # libsndfile raises several types (LibsndfileError, RuntimeError, TypeError)
-        raise AudioInputError(f"cannot read reference audio {path}: {exc}") from exc
+        raise UnreadableAudio(f"cannot read {name}: {exc}") from exc
     if audio.size == 0:
-        raise AudioInputError(f"reference audio {path} is empty (no samples)")
+        raise UnreadableAudio(f"{name} is empty (no samples)")
     mono = audio.mean(axis=1) if audio.shape[1] > 1 else audio[:, 0]
-    seconds = mono.size / sample_rate
-    if seconds < MIN_REFERENCE_SECONDS:
-        raise AudioInputError(
-            f"reference audio {path} is too short ({seconds:.2f} s); at least {MIN_REFERENCE_SECONDS} s is needed")
+    seconds = mono.size / rate
+    if seconds < max(min_seconds, MIN_REFERENCE_SECONDS):
+        raise ReferenceTooShort(f"{name} is too short ({seconds:.2f} s); at least "
+                                f"{max(min_seconds, MIN_REFERENCE_SECONDS):g} s is needed")
     if not np.isfinite(mono).all():
-        raise AudioInputError(f"reference audio {path} contains NaN or infinite samples")
-    return np.ascontiguousarray(mono, dtype=np.float32), int(sample_rate)
+        raise UnreadableAudio(f"{name} contains NaN or infinite samples")
+    return np.ascontiguousarray(mono, dtype=np.float32), rate
 
 
 def to_mono(audio: np.ndarray) -> np.ndarray:

@@ -1,0 +1,227 @@
+"""`/v1/audio/voices`: voices cloned (Base) or designed (VoiceDesign) while the server runs, stored on disk
+(`voice_store.py`) and served like built-in voices (`voices.py`).
+
+An upload is a multipart form: `name`, and either a reference `audio` file with an optional `transcript` (with it
+the voice clones in context, without it from the speaker embedding alone), or a VoiceDesign `instruction`. The body
+is read no further than the size limit; decoding and the encoders run on a worker thread, one upload at a time, and
+their results (speaker embedding, reference codes) are stored, so that using the voice later encodes nothing."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+
+from engine.errors import ReferenceTooLong, ReferenceTooShort, RequestError, TextTooLong, UnreadableAudio
+from engine.model.reference_encoder import decode_reference_audio
+from engine.tts import TTSModel, VoiceRequest
+from realtime.errors import voice_failure
+from realtime.voice_store import StoredVoice, VoiceNameTaken, VoiceStore
+from realtime.voices import VoiceCatalog
+from realtime.ws.protocol import MAX_INSTRUCTIONS_CHARS
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # safe in a URL path, a log line and a JSON key
+MIN_AUDIO_SECONDS = 1.0
+MAX_AUDIO_SECONDS = 30.0  # an in-context voice puts all of its reference codes in every prompt (12.5 a second)
+SILENCE_DBFS = -50.0  # a reference whose loudest 20 ms window is quieter than this holds no voice
+SILENCE_WINDOW_S = 0.02
+MAX_TEXT_FIELD_BYTES = 16 * 1024  # a text field of the form (transcript, instruction) past this is malformed
+MAX_FORM_FIELDS = 8
+FIELDS = ("name", "audio", "transcript", "instruction")
+UPLOAD_VARIANTS = ("base", "voice_design")
+
+
+@dataclass(frozen=True)
+class VoiceUpload:
+    name: str
+    audio: bytes | None = None
+    transcript: str | None = None  # None: clone from the speaker embedding alone
+    instruction: str | None = None
+
+
+class UploadTooLarge(Exception):
+    """The body passed the upload size limit while it was being read."""
+
+
+async def read_upload(request: Request, max_bytes: int) -> VoiceUpload:
+    """The form of a POST /v1/audio/voices, read no further than `max_bytes`; raises HTTPFailure naming the problem
+    (413 `upload_too_large` past the limit, 400 `invalid_message` for a malformed form or field)."""
+    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+        raise voice_failure("invalid_message", "the body must be multipart/form-data with fields name, audio "
+                                               "(a file) and transcript, or name and instruction")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    parser = MultiPartParser(request.headers, _capped(request.stream(), max_bytes), max_files=1,
+                             max_fields=MAX_FORM_FIELDS, max_part_size=MAX_TEXT_FIELD_BYTES)
+    try:
+        form = await parser.parse()
+    except UploadTooLarge:
+        raise _too_large(max_bytes) from None
+    except MultiPartException as failure:
+        raise voice_failure("invalid_message", f"malformed multipart form: {failure.message}") from None
+    try:
+        return await _upload_of(form)
+    finally:
+        await form.close()
+
+
+async def _capped(stream: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[bytes]:
+    read = 0
+    async for piece in stream:
+        read += len(piece)
+        if read > max_bytes:
+            raise UploadTooLarge()
+        yield piece
+
+
+def _too_large(max_bytes: int):
+    return voice_failure("upload_too_large", f"an upload takes at most {max_bytes} bytes (--max-voice-upload-bytes)")
+
+
+async def _upload_of(form: FormData) -> VoiceUpload:
+    for field in FIELDS:
+        if len(form.getlist(field)) > 1:
+            raise voice_failure("invalid_message", f"{field} is given more than once")
+    name, transcript, instruction = (_text_field(form, field) for field in ("name", "transcript", "instruction"))
+    if name is None:
+        raise voice_failure("invalid_message", "name is required: the voice's id, 1 to 64 letters, digits, '_', "
+                                               "'-' or '.', starting with a letter or digit")
+    audio = form.get("audio")
+    if audio is not None and not isinstance(audio, UploadFile):
+        raise voice_failure("invalid_message", "audio must be a file part (a filename in its Content-Disposition)")
+    return VoiceUpload(name, await audio.read() if audio is not None else None, transcript, instruction)
+
+
+def _text_field(form: FormData, field: str) -> str | None:
+    """A text field, None when absent or blank."""
+    value = form.get(field)
+    if isinstance(value, UploadFile):
+        raise voice_failure("invalid_message", f"{field} must be a text field, not a file")
+    return value if value is not None and value.strip() else None
+
+
+class VoiceLibrary:
+    """The stored voices of the served checkpoint: checks an upload against the model and the limits, encodes it
+    off the event loop, stores it and adds it to the catalog; deletes."""
+
+    def __init__(self, tts: TTSModel, catalog: VoiceCatalog, store: VoiceStore | None, max_voices: int) -> None:
+        self.tts, self.catalog, self.store, self.max_voices = tts, catalog, store, max_voices
+        self._encoding = asyncio.Lock()  # one upload's encoders at a time: they are heavy, and share the model
+
+    def voices(self) -> list[dict]:
+        return [voice.describe() for voice in self.catalog.stored_voices()]
+
+    def voice(self, voice_id: str) -> dict:
+        stored = self.catalog.stored(voice_id)
+        if stored is None:
+            raise self._unknown(voice_id)
+        return stored.describe()
+
+    async def create(self, upload: VoiceUpload) -> dict:
+        """Check, encode, store and serve an uploaded voice; raises HTTPFailure."""
+        self._check(upload)
+        async with self._encoding:
+            self._check_name_free(upload.name)  # again: another upload of that name may have finished meanwhile
+            stored, voice = await asyncio.to_thread(self._make, upload)
+        self.catalog.add_stored(stored, voice)
+        return stored.describe()
+
+    async def delete(self, voice_id: str) -> dict:
+        """Remove a stored voice: new requests no longer find it, those speaking with it finish."""
+        if self.catalog.stored(voice_id) is None:
+            raise self._unknown(voice_id)
+        self.catalog.remove_stored(voice_id)
+        await asyncio.to_thread(self.store.delete, voice_id)
+        return {"id": voice_id, "deleted": True}
+
+    def _check(self, upload: VoiceUpload) -> None:
+        """Everything that can be told before any decoding: the model, the name, the fields, the count."""
+        variant = self.catalog.variant
+        if variant not in UPLOAD_VARIANTS or self.store is None:
+            raise voice_failure("unsupported_model", f"this {variant} model cannot make voices: uploads need a Base "
+                                                     "model (cloning) or a VoiceDesign model (an instruction)")
+        if not NAME_PATTERN.fullmatch(upload.name):
+            raise voice_failure("invalid_message", f"name {upload.name[:64]!r} is not a voice id: 1 to 64 letters, "
+                                                   "digits, '_', '-' or '.', starting with a letter or digit")
+        for field, value in (("transcript", upload.transcript), ("instruction", upload.instruction)):
+            if value is not None and len(value) > MAX_INSTRUCTIONS_CHARS:
+                raise voice_failure("text_too_long", f"{field} takes at most {MAX_INSTRUCTIONS_CHARS} characters")
+        if variant == "base":
+            if upload.audio is None or upload.instruction is not None:
+                raise voice_failure("invalid_message", "a Base model clones a voice: give a reference audio file "
+                                                       "(audio) and, for in-context cloning, its transcript; not an "
+                                                       "instruction")
+        elif upload.instruction is None or upload.audio is not None or upload.transcript is not None:
+            raise voice_failure("invalid_message", "a VoiceDesign model saves a designed voice: give an instruction "
+                                                   "describing it, and no audio or transcript")
+        self._check_name_free(upload.name)
+        if len(self.catalog.stored_voices()) >= self.max_voices:
+            raise voice_failure("voice_limit", f"the library holds its maximum of {self.max_voices} voices for this "
+                                               "model (--max-stored-voices); delete one first")
+
+    def _check_name_free(self, name: str) -> None:
+        if self.catalog.has(name):
+            raise voice_failure("voice_exists", f"a voice named {name!r} exists already (GET /v1/voices lists them)")
+
+    def _make(self, upload: VoiceUpload):
+        """On a worker thread: decode and encode the upload, store it; returns the record and the engine voice."""
+        try:
+            if upload.instruction is not None:
+                voice = self.tts.voice(VoiceRequest(instruct=upload.instruction))
+                stored = StoredVoice(upload.name, "design", time.time(), instruction=upload.instruction)
+            else:
+                audio, rate = reference_audio(upload.audio)
+                voice = self.tts.voice(VoiceRequest(ref_audio=(audio, rate), ref_text=upload.transcript,
+                                                    x_vector_only=upload.transcript is None))
+                ref_codes = voice.ref_codes.cpu() if voice.ref_codes is not None else None
+                stored = StoredVoice(upload.name, "clone", time.time(), transcript=upload.transcript,
+                                     audio_seconds=round(audio.size / rate, 3), xvector=voice.xvector.cpu(),
+                                     ref_codes=ref_codes)
+        except TextTooLong as failure:
+            raise voice_failure("text_too_long", str(failure)) from None
+        except RequestError as failure:
+            raise voice_failure("invalid_message", str(failure)) from None
+        try:
+            self.store.add(stored)
+        except VoiceNameTaken:
+            raise voice_failure("voice_exists", f"a voice named {upload.name!r} exists already") from None
+        return stored, voice
+
+    @staticmethod
+    def _unknown(voice_id: str):
+        return voice_failure("unknown_voice", f"no stored voice {voice_id[:64]!r}; GET /v1/audio/voices lists them "
+                                              "(built-in voices are not the library's)")
+
+
+def reference_audio(data: bytes) -> tuple[np.ndarray, int]:
+    """An uploaded reference decoded and checked: audio (`invalid_audio`), at least MIN_AUDIO_SECONDS
+    (`audio_too_short`), at most MAX_AUDIO_SECONDS (`audio_too_long`, told before decoding), not silent
+    (`audio_silent`)."""
+    try:
+        audio, rate = decode_reference_audio(data, "the audio", MIN_AUDIO_SECONDS, MAX_AUDIO_SECONDS)
+    except UnreadableAudio as failure:
+        raise voice_failure("invalid_audio", f"{failure}; upload WAV, FLAC, OGG or MP3") from None
+    except ReferenceTooShort as failure:
+        raise voice_failure("audio_too_short", str(failure)) from None
+    except ReferenceTooLong as failure:
+        raise voice_failure("audio_too_long", str(failure)) from None
+    loudest = loudest_window_dbfs(audio, rate)
+    if loudest < SILENCE_DBFS:
+        raise voice_failure("audio_silent", f"the audio is silent (its loudest 20 ms is {loudest:.0f} dBFS, under "
+                                            f"{SILENCE_DBFS:.0f}): there is no voice to clone")
+    return audio, rate
+
+
+def loudest_window_dbfs(audio: np.ndarray, rate: int) -> float:
+    """The RMS level of the loudest SILENCE_WINDOW_S window, in dB below full scale."""
+    window = max(1, int(rate * SILENCE_WINDOW_S))
+    usable = audio[: audio.size - audio.size % window].reshape(-1, window) if audio.size >= window else audio[None]
+    rms = float(np.sqrt(np.mean(np.square(usable, dtype=np.float64), axis=1)).max())
+    return 20 * np.log10(max(rms, 1e-12))

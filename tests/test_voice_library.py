@@ -1,0 +1,325 @@
+"""The voice library (`/v1/audio/voices`) against real servers (uvicorn, tiny random checkpoints on the CPU, a real
+HTTP client and the voxgate.v1 client): upload, list, use from the socket and the speech endpoint, restart on the same
+data directory, delete, every bad upload, hostile fields, API keys."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.checkpoint import checkpoint_fingerprint
+from realtime.client import VoxgateClient
+from realtime.errors import VOICE_LIBRARY_STATUS
+from realtime.gateway import Limits
+from realtime.voice_library import MAX_AUDIO_SECONDS, MIN_AUDIO_SECONDS
+from realtime.voice_store import StoredVoice, VoiceStore, check_data_dir, tensor_bytes, tensor_from_bytes
+from tests.gateway_server import running_server
+
+RATE = 24000
+TRANSCRIPT = "Hello there, this is my voice."
+
+
+def wav(seconds: float = 2.0, amplitude: float = 0.3, rate: int = RATE, fmt: str = "WAV") -> bytes:
+    """A voiced-like test clip: a harmonic tone with a slow tremolo."""
+    t = np.arange(int(seconds * rate)) / rate
+    tone = amplitude * np.sin(2 * np.pi * 180 * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
+    out = io.BytesIO()
+    sf.write(out, tone.astype(np.float32), rate, format=fmt)
+    return out.getvalue()
+
+
+def upload(server, name: str | None, audio: bytes | None = None, token: str | None = None, **fields: str):
+    data = {k: v for k, v in {"name": name, **fields}.items() if v is not None}
+    files = {"audio": ("reference.wav", audio, "audio/wav")} if audio is not None else None
+    if files is None:  # still a multipart body, as a form without a file
+        files = {"unused": ("", b"", "application/octet-stream")}
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(server.http + "/v1/audio/voices", data=data, files=files, headers=headers, timeout=120)
+
+
+def error_code(response: httpx.Response) -> str:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert VOICE_LIBRARY_STATUS.get(body["error"]["code"], response.status_code) == response.status_code, body
+    return body["error"]["code"]
+
+
+def speech(server, voice: str, seed: int = 7, **fields) -> tuple[int, bytes]:
+    status, _, body = server.post("/v1/audio/speech", {"input": "Stored voices speak.", "voice": voice,
+                                                       "response_format": "pcm", "seed": seed, **fields})
+    return status, body
+
+
+async def speak_ws(server, voice: str):
+    """A context spoken in a session whose voice is `voice`."""
+    async with VoxgateClient.connect(server.ws, preset="pcm", voice=voice) as client:
+        assert client.session["voice"] == voice
+        return await client.speak("c1", ["Stored ", "voices speak."])
+
+
+async def first_append_error(client: VoxgateClient, voice: str) -> str:
+    """The error code a context's first append with `voice` gets."""
+    await client.append("refused", "Anyone there?", voice=voice)
+    async for message in client.events():
+        if isinstance(message, dict) and message["type"] in ("error", "context.started"):
+            assert message.get("context_id") == "refused", message
+            return message.get("code", message["type"])
+    raise AssertionError("the socket closed")
+
+
+async def refused_voice(server, voice: str) -> str:
+    async with VoxgateClient.connect(server.ws, preset="pcm") as client:
+        return await first_append_error(client, voice)
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_checkpoints) -> Path:
+    return tiny_checkpoints["base"]
+
+
+def test_upload_use_restart_delete(base_model, tmp_path, one_thread):
+    """A voice uploaded once is listed, speaks from HTTP and the socket, survives a restart without being encoded
+    again (the same audio for the same seed, and the encoders never load), and is gone after its delete."""
+    data_dir = tmp_path / "data"
+    with running_server(model=base_model, data_dir=data_dir) as server:
+        created = upload(server, "alice", wav(), transcript=TRANSCRIPT)
+        assert created.status_code == 201 and created.headers["location"] == "/v1/audio/voices/alice"
+        assert created.json() | {"created_at": 0} == {"id": "alice", "kind": "clone", "mode": "icl",
+                                                      "transcript": TRANSCRIPT, "audio_seconds": 2.0, "created_at": 0}
+        assert upload(server, "bob", wav(1.5)).json()["mode"] == "x_vector"  # no transcript: the x-vector alone
+        listed = json.loads(server.get("/v1/audio/voices")[1])["voices"]
+        assert [voice["id"] for voice in listed] == ["alice", "bob"]
+        assert json.loads(server.get("/v1/audio/voices/alice")[1]) == listed[0]
+        catalog = json.loads(server.get("/v1/voices")[1])
+        assert [(v["id"], v["stored"], v["kind"]) for v in catalog["voices"]] == [("alice", True, "clone"),
+                                                                                   ("bob", True, "clone")]
+        assert catalog["default"] == "alice"
+        before = {voice: speech(server, voice) for voice in ("alice", "bob")}
+        assert all(status == 200 and len(audio) > 0 for status, audio in before.values())
+        assert before["alice"][1] != before["bob"][1]
+        result = asyncio.run(speak_ws(server, "bob"))
+        assert result.done is not None and result.done["audio_ms"] > 0, result.events
+    with running_server(model=base_model, data_dir=data_dir) as server:
+        assert [v["id"] for v in json.loads(server.get("/v1/audio/voices")[1])["voices"]] == ["alice", "bob"]
+        assert {voice: speech(server, voice) for voice in ("alice", "bob")} == before
+        assert server.gateway.tts._speaker_encoder is None and server.gateway.tts._reference_encoder is None
+        result = asyncio.run(speak_ws(server, "alice"))
+        assert result.done is not None and result.done["audio_ms"] > 0, result.events
+        deleted = httpx.delete(server.http + "/v1/audio/voices/alice")
+        assert deleted.status_code == 200 and deleted.json() == {"id": "alice", "deleted": True}
+        assert server.get("/v1/audio/voices/alice")[0] == 404
+        assert speech(server, "alice")[0] == 400
+        assert asyncio.run(refused_voice(server, "alice")) == "unknown_voice"
+    with running_server(model=base_model, data_dir=data_dir) as server:
+        assert [v["id"] for v in json.loads(server.get("/v1/audio/voices")[1])["voices"]] == ["bob"]
+
+
+def test_voices_belong_to_their_checkpoint(base_model, tmp_path, one_thread):
+    """Another checkpoint (here: other random weights of the same size) on the same data directory sees none of the
+    first one's voices, and may store its own under the same name."""
+    from engine.synthetic.checkpoints import write_random_checkpoint
+
+    other = write_random_checkpoint(tmp_path / "other", "tiny", "base", seed=2)
+    assert checkpoint_fingerprint(other) != checkpoint_fingerprint(base_model)
+    assert checkpoint_fingerprint(base_model) == checkpoint_fingerprint(base_model)
+    data_dir = tmp_path / "data"
+    with running_server(model=base_model, data_dir=data_dir) as server:
+        assert upload(server, "alice", wav()).status_code == 201
+    with running_server(model=other, data_dir=data_dir) as server:
+        assert json.loads(server.get("/v1/audio/voices")[1]) == {"voices": []}
+        assert speech(server, "alice")[0] == 400
+        assert upload(server, "alice", wav()).status_code == 201
+
+
+def test_deleting_a_voice_a_context_speaks_with(base_model, tmp_path, one_thread):
+    """The context keeps its voice to the end, new utterances included; new contexts no longer find it."""
+    with running_server(model=base_model) as server:
+        assert upload(server, "carol", wav(), transcript=TRANSCRIPT).status_code == 201
+
+        async def pieces():
+            yield "First sentence."
+            deleted = await asyncio.to_thread(httpx.delete, server.http + "/v1/audio/voices/carol")
+            assert deleted.status_code == 200
+            yield "Second sentence, after the delete."
+
+        async def run():
+            async with VoxgateClient.connect(server.ws, preset="pcm", voice="carol") as client:
+                kept = await client.speak("c1", pieces(), flush=True)
+                return kept, await first_append_error(client, "carol")
+
+        kept, refused = asyncio.run(run())
+        assert kept.done is not None and not kept.errors, kept.events
+        assert [e["flush_id"] for e in kept.events if e["type"] == "context.flushed"] == [1, 2]
+        assert kept.done["audio_ms"] > 0 and refused == "unknown_voice"
+
+
+def test_bad_uploads_get_specific_errors(base_model, tmp_path, one_thread):
+    limits = Limits(max_voice_upload_bytes=400_000, max_stored_voices=2)
+    with running_server(limits, model=base_model, data_dir=tmp_path / "data") as server:
+        assert upload(server, "taken", wav()).status_code == 201
+        cases = {
+            "too short": (upload(server, "a", wav(MIN_AUDIO_SECONDS - 0.1)), 400, "audio_too_short"),
+            "too long": (upload(server, "a", wav(MAX_AUDIO_SECONDS + 1, rate=4000)), 400, "audio_too_long"),
+            "silent": (upload(server, "a", wav(amplitude=0.0)), 400, "audio_silent"),
+            "nearly silent": (upload(server, "a", wav(amplitude=0.002)), 400, "audio_silent"),
+            "not audio": (upload(server, "a", b"RIFF, but not really a WAV file" * 20), 400, "invalid_audio"),
+            "text, not audio": (upload(server, "a", "a transcript".encode() * 100), 400, "invalid_audio"),
+            "over the size limit": (upload(server, "a", b"\0" * 500_000), 413, "upload_too_large"),
+            "name taken": (upload(server, "taken", wav()), 409, "voice_exists"),
+            "odd name": (upload(server, "../etc/passwd", wav()), 400, "invalid_message"),
+            "name with a space": (upload(server, "my voice", wav()), 400, "invalid_message"),
+            "name too long": (upload(server, "n" * 65, wav()), 400, "invalid_message"),
+            "no name": (upload(server, None, wav()), 400, "invalid_message"),
+            "no audio": (upload(server, "a", transcript=TRANSCRIPT), 400, "invalid_message"),
+            "an instruction": (upload(server, "a", wav(), instruction="warm voice"), 400, "invalid_message"),
+            "transcript too long": (upload(server, "a", wav(), transcript="x" * 2001), 400, "text_too_long"),
+            "audio as a text field": (httpx.post(server.http + "/v1/audio/voices", data={"name": "a", "audio": "x"},
+                                                 files={"f": ("", b"")}), 400, "invalid_message"),
+            "two names": (httpx.post(server.http + "/v1/audio/voices", data={"name": ["a", "b"]},
+                                     files={"audio": ("r.wav", wav())}), 400, "invalid_message"),
+            "two files": (httpx.post(server.http + "/v1/audio/voices", data={"name": "a"},
+                                     files=[("audio", ("r.wav", wav())), ("audio", ("s.wav", wav()))]),
+                          400, "invalid_message"),
+            "not multipart": (httpx.post(server.http + "/v1/audio/voices", json={"name": "a"}), 400,
+                              "invalid_message"),
+            "malformed multipart": (httpx.post(server.http + "/v1/audio/voices", content=b"--x\r\nnonsense",
+                                               headers={"Content-Type": "multipart/form-data; boundary=x"}),
+                                    400, "invalid_message"),
+            "unknown id": (httpx.get(server.http + "/v1/audio/voices/nobody"), 404, "unknown_voice"),
+            "delete an unknown id": (httpx.delete(server.http + "/v1/audio/voices/nobody"), 404, "unknown_voice"),
+        }
+        for case, (response, status, code) in cases.items():
+            assert (response.status_code, error_code(response)) == (status, code), (case, response.text)
+        assert upload(server, "second", wav()).status_code == 201
+        full = upload(server, "third", wav())
+        assert (full.status_code, error_code(full)) == (409, "voice_limit")
+        assert [v["id"] for v in json.loads(server.get("/v1/audio/voices")[1])["voices"]] == ["taken", "second"]
+        assert speech(server, "taken")[0] == 200  # nothing above disturbed the library
+
+
+def test_a_streamed_body_past_the_limit_is_not_read_whole(base_model, one_thread):
+    """A chunked body (no Content-Length) that claims to go on for ever is answered 413 once it passes the limit,
+    while the client has stopped sending: the server never waits for (or holds) the rest."""
+    with running_server(Limits(max_voice_upload_bytes=1_000_000), model=base_model) as server:
+        port = int(server.http.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+            connection.sendall(b"POST /v1/audio/voices HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n"
+                               b"Content-Type: multipart/form-data; boundary=b\r\n\r\n")
+            part = b'--b\r\nContent-Disposition: form-data; name="audio"; filename="r.wav"\r\n\r\n'
+            connection.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+            piece = b"\0" * 65536
+            for _ in range(24):  # 1.5 MB, and then nothing more
+                connection.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                answer += connection.recv(65536)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413"), answer[:300]
+        assert json.loads(body)["error"]["code"] == "upload_too_large"
+        assert server.get("/health")[0] == 200
+
+
+def test_models_that_cannot_make_voices_and_voice_design(tiny_checkpoints, tmp_path, one_thread):
+    with running_server(model=tiny_checkpoints["custom_voice"], data_dir=tmp_path / "cv") as server:
+        refused = upload(server, "alice", wav())
+        assert (refused.status_code, error_code(refused)) == (400, "unsupported_model")
+        assert json.loads(server.get("/v1/audio/voices")[1]) == {"voices": []}
+    data_dir = tmp_path / "vd"
+    with running_server(model=tiny_checkpoints["voice_design"], data_dir=data_dir) as server:
+        created = upload(server, "narrator", instruction="A calm, low narrator's voice.")
+        assert created.status_code == 201, created.text
+        assert created.json()["instruction"] == "A calm, low narrator's voice."
+        for bad in (upload(server, "x", wav(), instruction="warm"), upload(server, "y"),
+                    upload(server, "design", instruction="taken by the built-in voice")):
+            assert bad.status_code in (400, 409) and error_code(bad) in ("invalid_message", "voice_exists")
+        designed = speech(server, "narrator")
+        assert designed[0] == 200 and designed == speech(server, "design", instructions="A calm, low narrator's voice.")
+        assert speech(server, "narrator", instructions="Another voice.")[0] == 400
+    with running_server(model=tiny_checkpoints["voice_design"], data_dir=data_dir) as server:
+        assert speech(server, "narrator") == designed
+
+
+def test_uploads_and_deletes_need_the_api_key(base_model, one_thread):
+    with running_server(Limits(api_keys=("secret",)), model=base_model) as server:
+        for response in (upload(server, "alice", wav()), httpx.get(server.http + "/v1/audio/voices"),
+                         upload(server, "alice", wav(), token="wrong"),
+                         httpx.delete(server.http + "/v1/audio/voices/alice")):
+            assert (response.status_code, response.json()["error"]["code"]) == (401, "unauthorized")
+        assert upload(server, "alice", wav(), token="secret").status_code == 201
+        assert httpx.get(server.http + "/v1/audio/voices?token=secret").status_code == 200
+        assert httpx.delete(server.http + "/v1/audio/voices/alice", headers={"Authorization": "Bearer nope"}
+                            ).status_code == 401
+        assert httpx.delete(server.http + "/v1/audio/voices/alice",
+                            headers={"Authorization": "Bearer secret"}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def hostile_server(base_model, tmp_path_factory):
+    with running_server(Limits(max_voice_upload_bytes=200_000), model=base_model,
+                        data_dir=tmp_path_factory.mktemp("hostile")) as server:
+        assert upload(server, "keeper", wav()).status_code == 201
+        yield server
+
+
+TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=80)
+AUDIO = st.one_of(st.binary(max_size=4096), st.sampled_from([wav(), wav(0.2), wav(amplitude=0.0)]), st.none())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.one_of(TEXT, st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,70}", fullmatch=True), st.none()),
+       transcript=st.one_of(TEXT, st.none()), instruction=st.one_of(TEXT, st.none()), audio=AUDIO)
+def test_hostile_fields_get_specific_errors(hostile_server, name, transcript, instruction, audio, one_thread):
+    """Whatever the fields, the answer is 201 or a specific error, the server stays up and the library intact."""
+    response = upload(hostile_server, name, audio, transcript=transcript, instruction=instruction)
+    if response.status_code == 201:
+        assert response.json()["id"] == name
+        assert httpx.delete(f"{hostile_server.http}/v1/audio/voices/{name}").status_code == 200
+    else:
+        assert 400 <= response.status_code < 500 and error_code(response) in VOICE_LIBRARY_STATUS, response.text
+    assert speech(hostile_server, "keeper")[0] == 200
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.binary(max_size=2048), boundary=st.from_regex(r"[A-Za-z0-9'()+_,./:=?-]{1,70}", fullmatch=True),
+       voice_id=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=80))
+def test_hostile_bodies_and_ids(hostile_server, body, boundary, voice_id, one_thread):
+    response = httpx.post(hostile_server.http + "/v1/audio/voices", content=f"--{boundary}\r\n".encode() + body,
+                          headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert response.status_code == 400 and error_code(response) == "invalid_message", response.text
+    if voice_id != "keeper":
+        answered = httpx.get(f"{hostile_server.http}/v1/audio/voices/{quote(voice_id, safe='')}")
+        assert answered.status_code == 404, answered.text
+    assert hostile_server.get("/health")[0] == 200
+
+
+def test_store_round_trips_tensors_of_any_dtype(tmp_path):
+    path = tmp_path / "voices.sqlite3"
+    xvector = torch.randn(64).to(torch.bfloat16)
+    codes = torch.randint(0, 2048, (25, 16))
+    assert torch.equal(tensor_from_bytes(tensor_bytes(xvector), "bfloat16", [64]), xvector)
+    store = VoiceStore(path, "model-a")
+    store.add(StoredVoice("v", "clone", 1.0, transcript="hi", audio_seconds=2.0, xvector=xvector, ref_codes=codes))
+    store.close()
+    (stored,) = VoiceStore(path, "model-a").voices()
+    assert torch.equal(stored.xvector, xvector) and torch.equal(stored.ref_codes, codes)
+    assert stored.transcript == "hi" and VoiceStore(path, "model-b").voices() == []
+
+
+def test_an_unwritable_data_dir_is_refused_at_once(tmp_path):
+    from engine.errors import VoxgateError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(VoxgateError, match="--data-dir"):
+        check_data_dir(blocker / "voxgate")
