@@ -6,23 +6,23 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from realtime.audio.formats import MODEL_SAMPLE_RATE, pcm_s16le
 from realtime.auth import Auth, KeyRefused, OriginRefused
 from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway
-from realtime.speech_http import SpeechRequest, parse_speech_request, sse_events, start_speech, whole_file
+from realtime.speech_http import parse_speech_request, start_speech
+from realtime.speech_response import Delivery, speech_response
 from realtime.voice_library import read_upload
 from realtime.ws.protocol import (
     CLOSE_OVERLOADED,
@@ -70,19 +70,24 @@ def create_app(gateway: Gateway) -> Starlette:
         return JSONResponse({"ready": is_ready, "status": reason}, status_code=200 if is_ready else 503)
 
     async def metrics(request: Request) -> Response:
-        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+        """Prometheus text, or OpenMetrics when the Accept header asks for it."""
+        body, content_type = gateway.metrics.render(request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
 
     async def voices(request: Request) -> Response:
-        refused = _refusal(request, gateway, auth)
-        if refused is not None:
-            return refused
-        return JSONResponse(gateway.voices.describe())
+        async def handle() -> Response:
+            return JSONResponse(gateway.voices.describe())
+        return await _http(request, gateway, auth, handle)
 
     async def speech(request: Request) -> Response:
+        delivery = Delivery(gateway.metrics.http, arrived=time.monotonic())
+
         async def handle() -> Response:
             spoken = parse_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
-            return await _speech_response(spoken, start_speech(spoken, gateway))
-        return await _http(request, gateway, auth, handle)
+            return await speech_response(spoken, start_speech(spoken, gateway), delivery)
+        response = await _http(request, gateway, auth, handle)
+        gateway.metrics.http_requests.labels(status=str(response.status_code)).inc()
+        return response
 
     async def library_voices(request: Request) -> Response:
         """GET lists the stored voices, POST uploads one (multipart form: voice_library.py)."""
@@ -139,18 +144,13 @@ def create_app(gateway: Gateway) -> Starlette:
 
 async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable[[], Awaitable[Response]]
                 ) -> Response:
-    """An API request after the key and readiness checks, its refusal (HTTPFailure) as JSON, counted either way."""
-    refused = _refusal(request, gateway, auth)
-    if refused is not None:
-        return refused
+    """An API request after the key and readiness checks; a refusal (HTTPFailure) as its JSON, counted by code."""
     try:
-        response = await handle()
+        _check_access(request, gateway, auth)
+        return await handle()
     except HTTPFailure as failure:
-        gateway.metrics.http_requests.labels(status=str(failure.status)).inc()
-        gateway.metrics.errors.labels(code=failure.code).inc()
+        gateway.metrics.http.error(failure.code)
         return JSONResponse(failure.body(), status_code=failure.status)
-    gateway.metrics.http_requests.labels(status=str(response.status_code)).inc()
-    return response
 
 
 async def _body(request: Request, max_bytes: int) -> bytes:
@@ -167,51 +167,19 @@ async def _body(request: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-async def _speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarray]) -> Response:
-    """Streamed formats start once the first audio is made, so that a request failing before any audio gets its
-    error status instead of an empty 200."""
-    if not spoken.stream:
-        body, media_type = await whole_file(chunks, spoken.response_format)
-        pcm_rate = {"X-Sample-Rate": str(MODEL_SAMPLE_RATE)} if spoken.response_format == "pcm" else None
-        return Response(body, media_type=media_type, headers=pcm_rate)
-    first = await anext(chunks, None)
-    if spoken.sse:
-        return StreamingResponse(sse_events(_prepend(first, chunks)), media_type="text/event-stream")
-    return StreamingResponse(_pcm_body(_prepend(first, chunks)), media_type="audio/pcm",
-                             headers={"X-Sample-Rate": str(MODEL_SAMPLE_RATE)})
-
-
-async def _prepend(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
-    if first is not None:
-        yield first
-    async for samples in chunks:
-        yield samples
-
-
-async def _pcm_body(chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
-    """Raw PCM has no way to say that a response failed after its status went out: it ends early (and the log says
-    why)."""
-    try:
-        async for samples in chunks:
-            yield pcm_s16le(samples)
-    except HTTPFailure as failure:
-        log.warning("a streamed speech response ended early: %s", failure.code)
-
-
-def _refusal(request: Request, gateway: Gateway, auth: Auth) -> Response | None:
-    """401 without a valid key, 503 before the model is ready."""
+def _check_access(request: Request, gateway: Gateway, auth: Auth) -> None:
+    """Raises HTTPFailure: 401 without a valid key, 503 before the model is ready."""
     try:
         auth.check(request, origin=False)
     except KeyRefused:
-        return JSONResponse({"error": {"code": "unauthorized", "message": "a valid API key is required"}}, 401)
-    if gateway.readiness()[0] is False:
-        reason = gateway.readiness()[1]
-        return JSONResponse({"error": {"code": "overloaded", "message": f"not ready: {reason}"}}, 503)
-    return None
+        raise HTTPFailure(401, "unauthorized", "a valid API key is required") from None
+    is_ready, reason = gateway.readiness()
+    if not is_ready:
+        raise HTTPFailure(503, "overloaded", f"not ready: {reason}")
 
 
 async def _refuse(websocket: WebSocket, gateway: Gateway, failure: ProtocolError, code: int) -> None:
-    gateway.metrics.errors.labels(code=failure.code).inc()
+    gateway.metrics.socket.error(failure.code)
     await websocket.send_text(json.dumps(error_event(failure)))
     await websocket.close(code)
 

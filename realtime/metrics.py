@@ -1,10 +1,27 @@
-"""Prometheus metrics of one gateway (its own registry, so several gateways in one process, as in tests, do not mix)."""
+"""Prometheus metrics of one gateway (its own registry, so several gateways in one process, as in tests, do not mix).
+
+TTFA, audio seconds and errors keep PROTOCOL.md's names and carry a `transport` label, `ws` for the socket and
+`http` for `POST /v1/audio/speech`: `sum without (transport)` gives PROTOCOL.md's totals."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 STEP_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2, 0.5, 1.0)
+
+
+class TransportMetrics:
+    """The series one transport moves: its time to first audio, the audio it sent, the errors it sent by code."""
+
+    def __init__(self, transport: str, ttfa: Histogram, audio_seconds: Counter, errors: Counter) -> None:
+        self.transport = transport
+        self.ttfa = ttfa.labels(transport=transport)
+        self.audio_seconds = audio_seconds.labels(transport=transport)
+        self._errors = errors
+
+    def error(self, code: str) -> None:
+        self._errors.labels(code=code, transport=self.transport).inc()
 
 
 class Metrics:
@@ -17,10 +34,12 @@ class Metrics:
                                             "Engine requests running or waiting", registry=r)
         self.engine_queue_depth = Gauge("voxgate_engine_queue_depth", "Engine requests waiting for a slot",
                                         registry=r)
-        self.ttfa = Histogram("voxgate_ttfa_seconds", "Time to first audio frame sent, per context",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.audio_seconds = Counter("voxgate_audio_seconds", "Audio sent to clients", registry=r)
-        self.errors = Counter("voxgate_errors", "Errors sent to clients, by code", ["code"], registry=r)
+        ttfa = Histogram("voxgate_ttfa_seconds", "Time to first audio sent: per context (ws), per speech request "
+                         "from its arrival (http)", ["transport"], buckets=LATENCY_BUCKETS, registry=r)
+        audio_seconds = Counter("voxgate_audio_seconds", "Audio sent to clients", ["transport"], registry=r)
+        errors = Counter("voxgate_errors", "Errors sent to clients, by code", ["code", "transport"], registry=r)
+        self.socket = TransportMetrics("ws", ttfa, audio_seconds, errors)
+        self.http = TransportMetrics("http", ttfa, audio_seconds, errors)
         self.step_seconds = Histogram("voxgate_engine_step_seconds", "Engine step wall time",
                                       buckets=STEP_BUCKETS, registry=r)
         self.step_batch = Histogram("voxgate_engine_step_batch", "Requests running in an engine step",
@@ -33,5 +52,8 @@ class Metrics:
         self.step_seconds.observe(seconds)
         self.step_batch.observe(batch)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition and its content type: OpenMetrics when `accept` (the request's Accept header) asks for
+        it, Prometheus text 0.0.4 otherwise."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type

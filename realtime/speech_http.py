@@ -1,21 +1,19 @@
-"""`POST /v1/audio/speech`, OpenAI-compatible: the whole input spoken with one voice, returned as a file, as raw
-PCM streamed while it is made, or as OpenAI's server-sent `speech.audio.delta` events. It also takes what tools
-written for the official Qwen3-TTS server send: the model's hub id, `stream` and `non_streaming_mode`. OpenAI's
-`speed` changes the tempo as the audio streams (audio/time_stretch.py); OpenAI's voice names map to the model's
-voices (voices.py), and any OpenAI TTS model name is taken."""
+"""`POST /v1/audio/speech`, OpenAI-compatible: the request (its body checked here) and its audio, the whole input
+spoken with one voice; `speech_response.py` encodes and sends it, streamed as it is made, as OpenAI's server-sent
+events or whole. It also takes what tools written for the official Qwen3-TTS server send: the model's hub id, `stream`
+and `non_streaming_mode`. OpenAI's `speed` changes the tempo as the audio streams (audio/time_stretch.py); OpenAI's
+voice names map to the model's voices (voices.py), and any OpenAI TTS model name is taken."""
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from realtime.audio.files import encode_file, mp3_available
-from realtime.audio.formats import HTTP_FORMATS, UnsupportedFormat, pcm_s16le
+from realtime.audio.containers import format_available
+from realtime.audio.formats import HTTP_FORMATS
 from realtime.audio.time_stretch import SPEED_RANGE, TimeStretch
 from realtime.errors import HTTPFailure, engine_http_failure
 from realtime.gateway import Gateway
@@ -27,7 +25,6 @@ from realtime.ws.speech_context import ContextAudio, ContextEnd
 # gpt-4o-mini-tts-2025-12-15; not its other models (gpt-4o, whisper-1, gpt-4o-mini-transcribe)
 OPENAI_TTS_MODEL = re.compile(r"tts-1(-hd)?(-\d{4})?|gpt-[0-9a-z.]+(-mini)?-tts(-\d{4}-\d{2}-\d{2})?")
 OPENAI_MODEL_EXAMPLES = "tts-1, tts-1-hd, gpt-4o-mini-tts or a dated one (gpt-4o-mini-tts-2025-12-15)"
-STREAMED_FORMATS = ("pcm",)  # sent as they are made; the others are encoded whole once the audio is done
 # Qwen3-TTS's own `non_streaming_mode` -> the engine's text layout (engine/prompt.py TEXT_LAYOUTS): all the text in
 # the prompt, or fed a token per frame
 TEXT_LAYOUT_OF_NON_STREAMING_MODE = {True: "prefill", False: "streaming"}
@@ -43,7 +40,7 @@ class SpeechRequest:
     response_format: str
     sse: bool
     seed: int | None
-    stream: bool = True  # the audio goes out as it is made; False: one body once it is all made
+    stream: bool = True  # the audio goes out as it is made; False: one body, with its length, once it is all made
     layout: str = DEFAULT_LAYOUT
     speed: float = 1.0  # the tempo (2.0: twice as fast), pitch kept
 
@@ -74,22 +71,19 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
     voice = _voice(body)
     speed = _speed(body)
     response_format = body.get("response_format") or "wav"
-    if response_format not in HTTP_FORMATS or (response_format == "mp3" and not mp3_available()):
-        offered = [f for f in HTTP_FORMATS if f != "mp3" or mp3_available()]
+    if response_format not in HTTP_FORMATS or not format_available(response_format):
+        offered = [name for name in HTTP_FORMATS if format_available(name)]
         raise HTTPFailure(400, "unsupported_format", f"response_format {response_format[:32]!r} is not available; "
                                                      f"use one of: {', '.join(offered)}")
     stream_format = body.get("stream_format") or "audio"
     if stream_format not in ("audio", "sse"):
         raise _bad("stream_format must be \"audio\" or \"sse\"")
-    if stream_format == "sse" and response_format != "pcm":
-        raise HTTPFailure(400, "unsupported_format", "stream_format \"sse\" sends PCM deltas: set "
-                                                     "response_format to \"pcm\"")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise _bad(f"seed must be an integer from 0 to {MAX_SEED}")
     sse = stream_format == "sse"
     return SpeechRequest(text, voice, body.get("instructions"), body.get("language") or "auto",
-                         response_format, sse, seed, _stream(body, response_format, sse), _layout(body), speed)
+                         response_format, sse, seed, _stream(body, sse), _layout(body), speed)
 
 
 def _check_strings(body: dict) -> None:
@@ -138,19 +132,12 @@ def _speed(body: dict) -> float:
     return float(speed)
 
 
-def _stream(body: dict, response_format: str, sse: bool) -> bool:
-    """`stream`: true sends the audio as it is made, false as one body; absent, the formats that can stream do."""
+def _stream(body: dict, sse: bool) -> bool:
+    """`stream`: true (or absent, as OpenAI streams) sends the audio as it is made, false as one body."""
     stream = _optional_bool(body, "stream")
-    if stream is None:
-        return sse or response_format in STREAMED_FORMATS
-    if stream and not sse and response_format not in STREAMED_FORMATS:
-        streamed = " or ".join(f'"{name}"' for name in STREAMED_FORMATS)
-        raise HTTPFailure(400, "unsupported_format", f"stream: true needs a format that streams: response_format "
-                                                     f"{streamed} (or stream_format \"sse\"); \"{response_format}\" "
-                                                     "is sent whole: leave stream out or set it to false")
-    if not stream and sse:
+    if stream is False and sse:
         raise _bad("stream_format \"sse\" streams its events: leave stream out or set it to true")
-    return stream
+    return stream is not False
 
 
 def _layout(body: dict) -> str:
@@ -204,23 +191,3 @@ async def _stretched(chunks: AsyncIterator[np.ndarray], speed: float) -> AsyncIt
                 yield out
     if len(rest := stretch.flush()):
         yield rest
-
-
-async def whole_file(chunks: AsyncIterator[np.ndarray], response_format: str) -> tuple[bytes, str]:
-    audio = [chunk async for chunk in chunks]
-    samples = np.concatenate(audio) if audio else np.zeros(0, np.float32)
-    try:
-        return encode_file(samples, response_format)
-    except UnsupportedFormat as failure:
-        raise HTTPFailure(400, "unsupported_format", str(failure)) from None
-
-
-async def sse_events(chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
-    """OpenAI's speech SSE: `speech.audio.delta` with base64 PCM, then `speech.audio.done`."""
-    try:
-        async for samples in chunks:
-            delta = {"type": "speech.audio.delta", "audio": base64.b64encode(pcm_s16le(samples)).decode("ascii")}
-            yield f"data: {json.dumps(delta)}\n\n".encode()
-        yield f"data: {json.dumps({'type': 'speech.audio.done'})}\n\n".encode()
-    except HTTPFailure as failure:
-        yield f"data: {json.dumps({'type': 'error', **failure.body()['error']})}\n\n".encode()

@@ -5,14 +5,15 @@ from __future__ import annotations
 import io
 import struct
 
+import av
 import numpy as np
 import opuslib_next as opuslib
 import pytest
 import soundfile
 import soxr
 
+from realtime.audio.containers import body_encoder, format_available
 from realtime.audio.encoders import StreamEncoder
-from realtime.audio.files import encode_file, mp3_available
 from realtime.audio.formats import (
     DEFAULT_RATES,
     HTTP_FORMATS,
@@ -24,7 +25,6 @@ from realtime.audio.formats import (
     to_int16,
 )
 from realtime.audio.mulaw import mulaw_decode, mulaw_encode
-from realtime.audio.ogg import ogg_crc, ogg_opus
 
 LENGTH = int(1.234 * MODEL_SAMPLE_RATE)  # not a whole number of frames at any rate
 
@@ -237,148 +237,128 @@ def test_finish_edge_cases(encoding: str) -> None:
 
 # --- Ogg Opus --------------------------------------------------------------------------------------------------
 
-def reference_crc(data: bytes) -> int:
-    """Bit by bit, unlike the module's table: CRC-32, polynomial 0x04C11DB7, MSB first, zero start, no xor out."""
-    crc = 0
-    for byte in data:
-        crc ^= byte << 24
-        for _ in range(8):
-            crc = (crc << 1) ^ 0x04C11DB7 if crc & 0x80000000 else crc << 1
-            crc &= 0xFFFFFFFF
-    return crc
+# --- the speech endpoint's bodies (realtime/audio/containers.py, PyAV) --------------------------------------------
+# decoded by FFmpeg's decoders through PyAV, and by libsndfile where it reads the format
+
+CONTAINER_FORMATS = ("wav", "flac", "mp3", "aac", "opus")
+# how far a streamed body's decodable audio may run behind what went in, in samples at 24 kHz: a FLAC block, a held
+# 20 ms Opus packet, the MP3 and AAC encoders' frames and lookahead (AAC counted with its 1024 priming samples)
+STREAM_LAG = {"pcm": 0, "wav": 0, "flac": 960, "opus": 960, "mp3": 4 * 576, "aac": 2 * 1024}
+# decoded length minus the audio that went in: ADTS cannot mark AAC's priming, nor a stream MP3's (a whole MP3 says
+# it in its Xing/LAME frame); each also pads its last frame
+EXTRA = {"aac": (1024, 1024 + 1023), "mp3": (0, 1152 + 576 + 575)}
 
 
-def parse_ogg(data: bytes) -> list[dict]:
-    """Pages of an Ogg stream, each checked for its capture pattern and CRC, with its packets reassembled."""
-    pages, offset = [], 0
-    while offset < len(data):
-        assert data[offset:offset + 4] == b"OggS"
-        version, flags, granule, serial, sequence, crc, count = struct.unpack_from("<BBqIIIB", data, offset + 4)
-        lacing = data[offset + 27:offset + 27 + count]
-        end = offset + 27 + count + sum(lacing)
-        raw = bytearray(data[offset:end])
-        raw[22:26] = bytes(4)
-        assert version == 0 and crc == reference_crc(bytes(raw))
-        body, packets, packet = data[offset + 27 + count:end], [], b""
-        for size in lacing:
-            packet, body = packet + body[:size], body[size:]
-            if size < 255:
-                packets.append(packet)
-                packet = b""
-        assert packet == b""  # no packet continues onto the next page
-        pages.append(dict(flags=flags, granule=granule, serial=serial, sequence=sequence, packets=packets))
-        offset = end
-    return pages
+def encode_body(response_format: str, streamed: bool, pieces: list[np.ndarray]) -> tuple[list[bytes], int]:
+    encoder = body_encoder(response_format, streamed)
+    parts = [encoder.encode(piece) for piece in pieces] + [encoder.finish()]
+    return parts, encoder.samples
 
 
-def test_ogg_crc_check_value() -> None:
-    assert ogg_crc(b"123456789") == reference_crc(b"123456789") == 0x89A1897F
+def decode_body(data: bytes) -> tuple[np.ndarray, int]:
+    """Mono float32 and its rate, by FFmpeg's decoder (Opus decodes at 48 kHz)."""
+    with av.open(io.BytesIO(data)) as container:
+        frames = [frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)]
+        rate = container.streams.audio[0].rate
+    audio = np.concatenate(frames) if frames else np.zeros(0, np.float32)
+    return (audio / 32768.0 if audio.dtype == np.int16 else audio).astype(np.float32), rate
 
 
-@pytest.mark.parametrize("rate", [8000, 24000, 48000])
-def test_ogg_opus_structure(rate: int) -> None:
-    samples = sine(MODEL_SAMPLE_RATE * 3 + 77)
-    encoder, frames = stream(AudioFormat("opus", rate), [samples])
-    total = round(len(samples) * rate / MODEL_SAMPLE_RATE)
-    data = ogg_opus(frames, rate, encoder.pre_skip, total_samples=total)
-    pages = parse_ogg(data)
-    scale = 48000 // rate
-
-    head, tags = pages[0]["packets"][0], pages[1]["packets"][0]
-    assert pages[0]["flags"] == 0x02 and len(pages[0]["packets"]) == 1 and pages[0]["granule"] == 0
-    assert struct.unpack("<8sBBHIhB", head) == (b"OpusHead", 1, 1, encoder.pre_skip * scale, rate, 0, 0)
-    assert tags == b"OpusTags" + struct.pack("<I", 7) + b"voxgate" + struct.pack("<I", 0)
-    assert pages[1]["granule"] == 0 and len(pages[1]["packets"]) == 1
-
-    audio = pages[2:]
-    assert len(audio) > 1  # three seconds take several pages
-    assert [p["sequence"] for p in pages] == list(range(len(pages)))
-    assert len({p["serial"] for p in pages}) == 1
-    assert [p["flags"] for p in audio] == [0] * (len(audio) - 1) + [0x04]
-    assert [packet for p in audio for packet in p["packets"]] == [f.payload for f in frames]
-    granules = [p["granule"] for p in audio]
-    assert granules == sorted(granules) and len(set(granules)) == len(granules)
-    carried = 0
-    for page in audio[:-1]:
-        carried += len(page["packets"]) * frames[0].samples * scale
-        assert page["granule"] == carried
-    assert granules[-1] == (encoder.pre_skip + total) * scale
-    untrimmed = parse_ogg(ogg_opus(frames, rate, encoder.pre_skip))
-    assert untrimmed[-1]["granule"] == encoder.samples_out * scale
+def length_at_24k(audio: np.ndarray, rate: int) -> int:
+    return len(audio) * MODEL_SAMPLE_RATE // rate
 
 
-@pytest.mark.skipif("OPUS" not in soundfile.available_subtypes("OGG"), reason="libsndfile cannot read Ogg Opus")
-@pytest.mark.parametrize("rate", [16000, 24000])
-def test_ogg_opus_decodes_to_the_input_length(rate: int) -> None:
+def aligned_correlation(audio: np.ndarray, samples: np.ndarray, max_shift: int) -> float:
+    """The best correlation of `samples` with `audio` delayed by up to `max_shift` samples (a codec's priming)."""
+    n = len(samples) - max_shift
+    return max(correlation(audio[shift:shift + n], samples[:n]) for shift in range(0, max_shift + 1, 4))
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+@pytest.mark.parametrize("response_format", CONTAINER_FORMATS)
+def test_a_body_decodes_to_the_audio_that_went_in(response_format: str, streamed: bool) -> None:
+    samples = sine(MODEL_SAMPLE_RATE * 2 + 77)
+    parts, taken = encode_body(response_format, streamed, random_pieces(samples, seed=5))
+    audio, rate = decode_body(b"".join(parts))
+    primed = response_format == "aac" or response_format == "mp3" and streamed
+    low, high = EXTRA[response_format] if primed else (0, 0)
+    assert taken == len(samples) and len(samples) + low <= length_at_24k(audio, rate) <= len(samples) + high
+    at_24k = audio if rate == MODEL_SAMPLE_RATE else soxr.resample(audio, rate, MODEL_SAMPLE_RATE)
+    assert aligned_correlation(at_24k, samples, high) > 0.9
+
+
+@pytest.mark.parametrize("response_format", ["wav", "flac"])
+def test_lossless_bodies_carry_the_pcm_exactly(response_format: str) -> None:
+    samples = sine() * 2.5  # clipped, as pcm is
+    for streamed in (True, False):
+        parts, _ = encode_body(response_format, streamed, random_pieces(samples, seed=2))
+        audio, _ = decode_body(b"".join(parts))
+        assert np.array_equal(np.rint(audio * 32768).astype(np.int16), to_int16(samples)), streamed
+
+
+def test_pcm_is_s16le_as_it_comes() -> None:
     samples = sine()
-    encoder, frames = stream(AudioFormat("opus", rate), random_pieces(samples, seed=11))
-    total = round(len(samples) * rate / MODEL_SAMPLE_RATE)
-    audio, file_rate = soundfile.read(io.BytesIO(ogg_opus(frames, rate, encoder.pre_skip, total_samples=total)))
-    assert file_rate == rate and len(audio) == total
-    assert correlation(audio, resampled(samples, rate)) > 0.9
+    parts, taken = encode_body("pcm", True, random_pieces(samples, seed=4))
+    assert parts[-1] == b"" and taken == len(samples)
+    assert np.array_equal(np.frombuffer(b"".join(parts), "<i2"), to_int16(samples))
 
 
-def test_ogg_opus_refuses_impossible_arguments() -> None:
-    encoder, frames = stream(AudioFormat(), [sine()])
-    with pytest.raises(ValueError, match="last packet"):
-        ogg_opus(frames, 24000, encoder.pre_skip, total_samples=encoder.samples_out)  # more than it carries
-    with pytest.raises(ValueError, match="last packet"):
-        ogg_opus(frames, 24000, encoder.pre_skip, total_samples=LENGTH - 480)  # would cut whole packets
-    with pytest.raises(ValueError, match="at least one packet"):
-        ogg_opus([], 24000, 156)
-    with pytest.raises(UnsupportedFormat, match="8000, 16000, 24000, 48000"):
-        ogg_opus(frames, 22050, encoder.pre_skip)
+@pytest.mark.parametrize("response_format", ("pcm", *CONTAINER_FORMATS))
+def test_a_streamed_body_is_decodable_as_the_audio_comes(response_format: str) -> None:
+    """After each 80 ms chunk (the engine's chunk at 12.5 Hz) the bytes out so far decode to all but a codec's
+    frame or two of what went in: the body is sent as it is made, not held to the end."""
+    samples, chunk = sine(MODEL_SAMPLE_RATE), 1920
+    encoder, sent = body_encoder(response_format, streamed=True), b""
+    behind = []
+    for start in range(0, len(samples), chunk):
+        sent += encoder.encode(samples[start:start + chunk])
+        if response_format == "pcm":
+            decoded = len(sent) // 2
+        else:
+            try:
+                decoded = length_at_24k(*decode_body(sent))
+            except av.error.InvalidDataError:  # nothing whole yet: only the first chunk of MP3 and AAC
+                decoded = 0
+        behind.append(min(start + chunk, len(samples)) - decoded)
+    assert max(behind[2:]) <= STREAM_LAG[response_format], behind
+    assert behind[0] == 0 if response_format in ("pcm", "wav", "flac") else behind[0] <= chunk
 
 
-# --- whole files -----------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("response_format, content_type", [("wav", "audio/wav"), ("flac", "audio/flac")])
-def test_encode_file_lossless(response_format: str, content_type: str) -> None:
-    samples = sine() * 2.5  # clipped, like pcm
-    data, kind = encode_file(samples, response_format)
-    assert kind == content_type
-    info = soundfile.info(io.BytesIO(data))
-    assert info.format == response_format.upper() and info.subtype == "PCM_16" and info.channels == 1
-    audio, rate = soundfile.read(io.BytesIO(data), dtype="int16")
+def test_streamed_and_whole_headers() -> None:
+    """Streamed, a header says "length unknown" (as FFmpeg writes it to a pipe); whole, it has the exact length."""
+    samples = sine()
+    streamed = b"".join(encode_body("wav", True, [samples])[0])
+    whole = b"".join(encode_body("wav", False, [samples])[0])
+    assert streamed[:4] == whole[:4] == b"RIFF" and streamed[36:40] == whole[36:40] == b"data"
+    assert struct.unpack("<I", streamed[4:8])[0] == struct.unpack("<I", streamed[40:44])[0] == 0xFFFFFFFF
+    assert struct.unpack("<I", whole[40:44])[0] == 2 * len(samples) and len(whole) == 44 + 2 * len(samples)
+    assert struct.unpack("<I", whole[4:8])[0] == len(whole) - 8
+    audio, rate = soundfile.read(io.BytesIO(streamed), dtype="int16")  # libsndfile reads the unknown sizes too
     assert rate == 24000 and np.array_equal(audio, to_int16(samples))
-
-
-def test_encode_file_pcm() -> None:
-    samples = sine()
-    data, kind = encode_file(samples, "pcm")
-    assert kind == "audio/pcm"
-    assert np.array_equal(np.frombuffer(data, "<i2"), to_int16(samples))
-    audio, _ = soundfile.read(io.BytesIO(data), samplerate=24000, channels=1, format="RAW", subtype="PCM_16",
-                              endian="LITTLE", dtype="int16")
-    assert np.array_equal(audio, to_int16(samples))
+    flac_total = {streamed: soundfile.info(io.BytesIO(b"".join(encode_body("flac", False, [samples])[0]))).frames}
+    assert list(flac_total.values()) == [len(samples)]
+    flac_streamed = b"".join(encode_body("flac", True, [samples])[0])
+    streaminfo_total = int.from_bytes(flac_streamed[8 + 10:8 + 18], "big") & (2**36 - 1)
+    assert flac_streamed[:4] == b"fLaC" and streaminfo_total == 0  # "unknown"
 
 
 @pytest.mark.skipif("OPUS" not in soundfile.available_subtypes("OGG"), reason="libsndfile cannot read Ogg Opus")
-@pytest.mark.parametrize("length", [LENGTH, 0])
-def test_encode_file_opus(length: int) -> None:
-    samples = sine(length)
-    data, kind = encode_file(samples, "opus")
-    assert kind == "audio/ogg" and data.startswith(b"OggS")
-    audio, rate = soundfile.read(io.BytesIO(data))
-    assert rate == 24000 and len(audio) == length
-    if length:
-        assert correlation(audio, samples) > 0.9
-
-
-def test_encode_file_mp3_or_a_clear_refusal() -> None:
+@pytest.mark.parametrize("streamed", [True, False])
+def test_ogg_opus_read_by_libsndfile_too(streamed: bool) -> None:
     samples = sine()
-    if not mp3_available():
-        with pytest.raises(UnsupportedFormat, match="mp3.*no encoder installed"):
-            encode_file(samples, "mp3")
-        return
-    data, kind = encode_file(samples, "mp3")
-    assert kind == "audio/mpeg"
+    data = b"".join(encode_body("opus", streamed, random_pieces(samples, seed=9))[0])
     audio, rate = soundfile.read(io.BytesIO(data))
-    assert rate == 24000 and len(samples) <= len(audio) < len(samples) + 24000 // 4
+    assert data[:4] == b"OggS" and rate == 24000 and len(audio) == len(samples)
+    assert correlation(audio, samples) > 0.9
 
 
-def test_encode_file_refuses_unknown_formats() -> None:
-    assert HTTP_FORMATS == ("wav", "pcm", "opus", "flac", "mp3")
-    with pytest.raises(UnsupportedFormat) as failure:
-        encode_file(sine(), "aac")
-    assert "'aac'" in str(failure.value) and "wav, pcm, opus, flac, mp3" in str(failure.value)
+@pytest.mark.parametrize("response_format", CONTAINER_FORMATS)
+def test_the_bytes_do_not_depend_on_how_the_audio_was_cut(response_format: str) -> None:
+    samples = sine()
+    whole_pieces = b"".join(encode_body(response_format, True, [samples])[0])
+    assert b"".join(encode_body(response_format, True, random_pieces(samples, seed=8))[0]) == whole_pieces
+
+
+def test_every_openai_format_is_offered() -> None:
+    assert HTTP_FORMATS == ("wav", "pcm", "opus", "flac", "mp3", "aac")
+    assert all(format_available(name) for name in HTTP_FORMATS) and not format_available("ogg")

@@ -446,7 +446,7 @@ def test_http_speech_voices_health_ready_metrics(server):
     assert events[-1]["type"] == "speech.audio.done" and events[0]["type"] == "speech.audio.delta"
     for body, code in [({"input": "Hi.", "speed": 4.5}, "invalid_message"), ({"input": "Hi.", "voice": "nobody"},
                        "unknown_voice"), ({"input": ""}, "empty_text"), ({"voice": "ryan"}, "invalid_message"),
-                       ({"input": "Hi.", "response_format": "aac"}, "unsupported_format")]:
+                       ({"input": "Hi.", "response_format": "ogg"}, "unsupported_format")]:
         status, _, error = server.post("/v1/audio/speech", body, token)
         assert status == 400 and json.loads(error)["error"]["code"] == code
     status, _, error = server.post("/v1/audio/speech", b"{oops", token)

@@ -21,9 +21,9 @@ FRAME_MS: dict[str, tuple[int, ...]] = {
 OPUS_BITRATES = (6000, 128000)
 OPUS_RATE = 48000  # Ogg Opus counts granules and pre-skip at 48 kHz whatever the coded rate
 
-HTTP_FORMATS = ("wav", "pcm", "opus", "flac", "mp3")
+HTTP_FORMATS = ("wav", "pcm", "opus", "flac", "mp3", "aac")  # OpenAI's response_format values
 CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "opus": "audio/ogg", "flac": "audio/flac",
-                 "mp3": "audio/mpeg"}
+                 "mp3": "audio/mpeg", "aac": "audio/aac"}
 
 
 class UnsupportedFormat(ValueError):

@@ -33,7 +33,7 @@ class ContextStats:
 
     def first_sent(self, planner: UtterancePlanner, metrics: Metrics) -> None:
         self.first_audio_sent_at = time.monotonic()
-        metrics.ttfa.observe(self.first_audio_sent_at - self.since(planner))
+        metrics.socket.ttfa.observe(self.first_audio_sent_at - self.since(planner))
 
     def summary(self, planner: UtterancePlanner, audio_ms: float, text_chars: int) -> dict:
         """`context.done`'s metrics."""

@@ -162,7 +162,7 @@ class SessionContext:
         self._queue_done()
 
     def _queue_error(self, failure: ProtocolError) -> None:
-        self.metrics.errors.labels(code=failure.code).inc()
+        self.metrics.socket.error(failure.code)
         self._queue(error_event(failure))
 
     def _queue_done(self) -> None:

@@ -111,7 +111,7 @@ class Session:
                 else:
                     await self.ws.send_text(item.payload)
                 if item.audio_ms:
-                    self.gateway.metrics.audio_seconds.inc(item.audio_ms / 1000)
+                    self.gateway.metrics.socket.audio_seconds.inc(item.audio_ms / 1000)
                 if item.on_sent is not None:
                     item.on_sent()
         except (WebSocketDisconnect, RuntimeError, OSError):
@@ -129,7 +129,7 @@ class Session:
         if self._aborted:
             return
         self._aborted = True
-        self.gateway.metrics.errors.labels(code=failure.code).inc()
+        self.gateway.metrics.socket.error(failure.code)
         self._close = (code, failure.message[:120])
         self.outbox.put(Outgoing("", _CLOSE), urgent=True)
         self.outbox.put_event(error_event(failure), urgent=True)
@@ -279,7 +279,7 @@ class Session:
             StreamEncoder(config.audio).pre_skip, self.limits, event_id))
 
     def _error(self, failure: ProtocolError, event_id: Any = None) -> None:
-        self.gateway.metrics.errors.labels(code=failure.code).inc()
+        self.gateway.metrics.socket.error(failure.code)
         self.outbox.put_event(error_event(failure, event_id))
 
 

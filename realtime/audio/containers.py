@@ -1,0 +1,136 @@
+"""The bodies of `POST /v1/audio/speech`, encoded as the audio comes: raw PCM, or a container file that PyAV (FFmpeg)
+writes: WAV, FLAC, MP3, AAC in ADTS, Opus in Ogg.
+
+Streamed, the muxer writes to a sink it cannot seek back in, so every header takes its "length unknown" form (WAV's
+sizes 0xFFFFFFFF, FLAC's total samples 0, no MP3 Xing frame) and each packet leaves as soon as it is made. Whole, it
+writes to a seekable buffer and its trailer goes back to the headers: exact WAV sizes, FLAC's total and MD5, MP3's
+Xing/LAME frame (with which decoders trim the encoder's delay). ADTS cannot say that AAC's first 1024 samples are
+priming, so AAC decodes to that much more audio in either form; so does a streamed MP3 (its delay and last frame).
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import av
+import numpy as np
+
+from realtime.audio.formats import MODEL_SAMPLE_RATE, pcm_s16le, to_int16
+
+COMMON_MUXER_OPTIONS = {"fflags": "+bitexact",  # no encoder version in the file: the same audio, the same bytes
+                        "metadata_header_padding": "0"}  # FLAC would reserve 8 KiB for taggers ahead of the audio
+STREAMED_MUXER_OPTIONS = {"flush_packets": "1"}  # each packet goes out at once, not when FFmpeg's I/O buffer fills
+
+
+@dataclass(frozen=True)
+class Container:
+    """How one response_format is written: muxer, codec, the sample format handed to the codec, their options."""
+    muxer: str
+    codec: str
+    sample_format: str  # "s16" (rounded as pcm is) for the codecs that take integers, "fltp" for AAC
+    codec_options: dict[str, str] = field(default_factory=dict)
+    muxer_options: dict[str, str] = field(default_factory=dict)
+    streamed_muxer_options: dict[str, str] = field(default_factory=dict)
+
+
+CONTAINERS = {
+    "wav": Container("wav", "pcm_s16le", "s16"),
+    # 40 ms blocks instead of FFmpeg's ~190 ms at 24 kHz: the first bytes leave with the first audio chunk (80 ms)
+    "flac": Container("flac", "flac", "s16", {"frame_size": "960"}),
+    "mp3": Container("mp3", "libmp3lame", "s16p", {"b": "64000"}, {"id3v2_version": "0"}),
+    "aac": Container("adts", "aac", "fltp", {"b": "64000"}),
+    # the socket's Opus bitrate; streamed, a page per 20 ms packet (Ogg's default holds a page for a second, which
+    # would hold the first audio back), at ~10 kbit/s of page headers
+    "opus": Container("ogg", "libopus", "s16", {"b": "24000"}, streamed_muxer_options={"page_duration": "20000"}),
+}
+
+
+def format_available(response_format: str) -> bool:
+    """Whether this FFmpeg build has the format's encoder (PyAV's wheels have all of them)."""
+    container = CONTAINERS.get(response_format)
+    return response_format == "pcm" or (container is not None and container.codec in av.codecs_available)
+
+
+class PcmBody:
+    """`pcm`: s16le at 24 kHz, no header; cheap enough to run on the event loop."""
+    off_loop = False
+
+    def __init__(self) -> None:
+        self.samples = 0  # audio taken so far, at the model's rate
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        self.samples += len(samples)
+        return pcm_s16le(samples)
+
+    def finish(self) -> bytes:
+        return b""
+
+
+class _StreamSink:
+    """A write-only file for the muxer: what it wrote since the last `take`. No `seek`, so FFmpeg streams."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> int:
+        self._parts.append(bytes(data))
+        return len(data)
+
+    def take(self, final: bool) -> bytes:
+        data, self._parts = b"".join(self._parts), []
+        return data
+
+
+class _FileSink(io.BytesIO):
+    """A seekable buffer: nothing is ready before the trailer has fixed the headers; then the whole file."""
+
+    def take(self, final: bool) -> bytes:
+        return self.getvalue() if final else b""
+
+
+class ContainerBody:
+    """One response's container file, fed the model's chunks in order (the codec and muxer keep state): heavy
+    enough to run on a worker thread."""
+    off_loop = True
+
+    def __init__(self, response_format: str, streamed: bool) -> None:
+        spec = CONTAINERS[response_format]
+        self._spec = spec
+        self._sink = _StreamSink() if streamed else _FileSink()
+        options = {**COMMON_MUXER_OPTIONS, **spec.muxer_options,
+                   **(STREAMED_MUXER_OPTIONS | spec.streamed_muxer_options if streamed else {})}
+        self._container = av.open(self._sink, "w", format=spec.muxer, options=options)
+        self._stream = self._container.add_stream(spec.codec, rate=MODEL_SAMPLE_RATE, layout="mono",
+                                                  options=dict(spec.codec_options))
+        self._stream.codec_context.format = spec.sample_format
+        self._container.start_encoding()  # the header now, so that even a response without audio is a valid file
+        self.samples = 0  # audio taken so far, at the model's rate
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        """The bytes ready to send once `samples` (float32, 24 kHz) are in: streamed, whatever the codec let out."""
+        if len(samples):
+            self._mux(self._frame(np.asarray(samples, dtype=np.float32).reshape(-1)))
+        return self._sink.take(final=False)
+
+    def finish(self) -> bytes:
+        """The rest: the codec's delayed packets and the trailer (whole: the complete file)."""
+        self._mux(None)
+        self._container.close()
+        return self._sink.take(final=True)
+
+    def _frame(self, samples: np.ndarray) -> av.AudioFrame:
+        planes = np.clip(samples, -1.0, 1.0) if self._spec.sample_format == "fltp" else to_int16(samples)
+        frame = av.AudioFrame.from_ndarray(planes.reshape(1, -1), format=self._spec.sample_format, layout="mono")
+        frame.sample_rate, frame.pts = MODEL_SAMPLE_RATE, self.samples
+        self.samples += len(samples)
+        return frame
+
+    def _mux(self, frame: av.AudioFrame | None) -> None:
+        for packet in self._stream.encode(frame):
+            self._container.mux(packet)
+
+
+def body_encoder(response_format: str, streamed: bool) -> PcmBody | ContainerBody:
+    """The encoder of one response (a format of HTTP_FORMATS that `format_available`): streamed (sent as it is
+    made) or whole (one file once the audio is done)."""
+    return PcmBody() if response_format == "pcm" else ContainerBody(response_format, streamed)

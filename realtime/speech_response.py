@@ -1,0 +1,110 @@
+"""The response of `POST /v1/audio/speech`: a request's audio encoded as it is made (`audio/containers.py`; the
+containers on a worker thread, as the socket encodes, so that no response holds up the event loop) and sent as a
+chunked body, as OpenAI's `speech.audio.delta` / `speech.audio.done` events, or whole with its length; and the
+endpoint's share of the metrics: time to first audio from the request's arrival, audio seconds, errors by code."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import numpy as np
+from starlette.responses import Response, StreamingResponse
+
+from realtime.audio.containers import ContainerBody, PcmBody, body_encoder
+from realtime.audio.formats import CONTENT_TYPES, MODEL_SAMPLE_RATE
+from realtime.errors import HTTPFailure
+from realtime.metrics import TransportMetrics
+from realtime.speech_http import SpeechRequest
+
+log = logging.getLogger("voxgate")
+
+Encoded = AsyncIterator[tuple[bytes, int]]  # (bytes ready to send, samples that went in for them)
+
+
+@dataclass
+class Delivery:
+    """What one response sent, for the metrics."""
+    metrics: TransportMetrics
+    arrived: float  # time.monotonic() when the request reached the handler
+    first_audio_sent: bool = False
+
+    def sent(self, samples: int, data: bytes) -> None:
+        """After `data` went out, carrying the encoder's output for `samples` more samples."""
+        if data and samples and not self.first_audio_sent:
+            self.first_audio_sent = True
+            self.metrics.ttfa.observe(time.monotonic() - self.arrived)
+        self.metrics.audio_seconds.inc(samples / MODEL_SAMPLE_RATE)
+
+    def failed(self, failure: HTTPFailure) -> None:
+        self.metrics.error(failure.code)
+
+
+async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarray], delivery: Delivery) -> Response:
+    """Streamed responses start once the first audio is made, so that a request failing before any audio gets its
+    error status instead of an empty 200."""
+    encoder = body_encoder(spoken.response_format, streamed=spoken.stream)
+    headers = {"X-Sample-Rate": str(MODEL_SAMPLE_RATE)}
+    if not spoken.stream:
+        body = b"".join([data async for data, _ in _encoded(chunks, encoder)])
+        delivery.sent(encoder.samples, body)
+        return Response(body, media_type=CONTENT_TYPES[spoken.response_format],
+                        headers={**headers, "X-Audio-Samples": str(encoder.samples)})
+    first = await anext(chunks, None)
+    pieces = _encoded(_prepend(first, chunks), encoder)
+    if spoken.sse:
+        return StreamingResponse(_sse_body(pieces, delivery), media_type="text/event-stream")
+    return StreamingResponse(_audio_body(pieces, delivery), media_type=CONTENT_TYPES[spoken.response_format],
+                             headers=headers)
+
+
+async def _prepend(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
+    if first is not None:
+        yield first
+    async for samples in chunks:
+        yield samples
+
+
+async def _encoded(chunks: AsyncIterator[np.ndarray], encoder: PcmBody | ContainerBody) -> Encoded:
+    async for samples in chunks:
+        yield await _run(encoder, encoder.encode, samples), len(samples)
+    yield await _run(encoder, encoder.finish), 0
+
+
+async def _run(encoder: PcmBody | ContainerBody, call: Callable[..., bytes], *args: object) -> bytes:
+    return await asyncio.to_thread(call, *args) if encoder.off_loop else call(*args)
+
+
+async def _audio_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[bytes]:
+    """An audio body has no way to say that it failed after its status went out: it ends early (the log and the
+    error metric say why)."""
+    try:
+        async for data, samples in pieces:
+            if data:
+                yield data
+            delivery.sent(samples, data)
+    except HTTPFailure as failure:
+        delivery.failed(failure)
+        log.warning("a streamed speech response ended early: %s", failure.code)
+
+
+async def _sse_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[bytes]:
+    """OpenAI's speech events: `speech.audio.delta` with the format's bytes in base64, then `speech.audio.done`; a
+    failure after the first event is an `error` event."""
+    try:
+        async for data, samples in pieces:
+            if data:
+                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+            delivery.sent(samples, data)
+        yield _event({"type": "speech.audio.done"})
+    except HTTPFailure as failure:
+        delivery.failed(failure)
+        yield _event({"type": "error", **failure.body()["error"]})
+
+
+def _event(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()

@@ -1,0 +1,277 @@
+"""`POST /v1/audio/speech` spoken to by the official `openai` SDK against a real server (uvicorn, the tiny model held to
+exact lengths by --synthetic-frames-per-token): every OpenAI format streamed as it is made and decoded by FFmpeg's
+decoders (PyAV) to the length the server reports (its metrics while streaming, X-Audio-Samples when whole); the HTTP
+series of /metrics, told apart from the socket's; OpenMetrics negotiation; hostile values of the new fields."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import threading
+import time
+import urllib.request
+
+import av
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+from prometheus_client.parser import text_string_to_metric_families
+
+from realtime.audio.formats import CONTENT_TYPES, HTTP_FORMATS, MODEL_SAMPLE_RATE
+from realtime.client import VoxgateClient
+from realtime.gateway import Limits
+from tests.gateway_server import RunningServer, running_server
+
+LONG_TEXT = "Streaming speech starts playing long before the whole sentence is spoken."
+FRAME_SAMPLES = MODEL_SAMPLE_RATE * 2 // 25  # one 12.5 Hz codec frame
+# decoded length minus the audio the server made: ADTS cannot mark AAC's 1024 priming samples, nor a streamed MP3
+# its encoder delay (a whole MP3 does, in its Xing/LAME frame); each pads its last frame
+EXTRA = {"aac": (1024, 2047), "mp3": (0, 2303)}
+MAGIC = {"wav": b"RIFF", "flac": b"fLaC", "opus": b"OggS", "mp3": b"\xff", "aac": b"\xff"}
+
+
+@pytest.fixture(scope="module")
+def server(one_thread):
+    with running_server(Limits(max_text_chars=400), synthetic_frames_per_token=3.5) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric_samples(server: RunningServer, accept: str | None = None) -> tuple[str, dict]:
+    """(content type, {(sample name, sorted labels): value}) of /metrics, parsed by prometheus_client's parser of
+    what the content type says."""
+    request = urllib.request.Request(server.http + "/metrics", headers={"Accept": accept} if accept else {})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        content_type, text = response.headers["Content-Type"], response.read().decode()
+    parse = openmetrics_families if content_type.startswith("application/openmetrics-text") else \
+        text_string_to_metric_families
+    return content_type, {(s.name, tuple(sorted(s.labels.items()))): s.value for f in parse(text) for s in f.samples}
+
+
+def metric(server: RunningServer, name: str, **labels: str) -> float:
+    return metric_samples(server)[1].get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def http_audio_samples(server: RunningServer) -> int:
+    return round(metric(server, "voxgate_audio_seconds_total", transport="http") * MODEL_SAMPLE_RATE)
+
+
+def decoded_length(data: bytes, response_format: str) -> int:
+    """Samples at 24 kHz that FFmpeg's decoder (through PyAV) gets out of a body; pcm is counted."""
+    if response_format == "pcm":
+        return len(data) // 2
+    with av.open(io.BytesIO(data)) as container:
+        frames = list(container.decode(audio=0))
+    return sum(frame.samples for frame in frames) * MODEL_SAMPLE_RATE // frames[0].sample_rate
+
+
+def assert_length(decoded: int, made: int, response_format: str, streamed: bool) -> None:
+    primed = response_format == "aac" or response_format == "mp3" and streamed
+    low, high = EXTRA[response_format] if primed else (0, 0)
+    assert made > 0 and made % FRAME_SAMPLES == 0
+    assert made + low <= decoded <= made + high, (response_format, decoded, made)
+
+
+@pytest.mark.parametrize("response_format", HTTP_FORMATS)
+def test_every_format_streams_as_it_is_made(server, client, response_format):
+    before = http_audio_samples(server)
+    sent, arrivals, body = time.monotonic(), [], b""
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="vivian", input=LONG_TEXT, response_format=response_format) as response:
+        headers = response.headers
+        for piece in response.iter_bytes():
+            arrivals.append(time.monotonic() - sent)
+            body += piece
+    assert headers["content-type"] == CONTENT_TYPES[response_format] and headers["transfer-encoding"] == "chunked"
+    assert "content-length" not in headers and headers["x-sample-rate"] == "24000"
+    assert len(arrivals) > 3, "the body came in one piece, not as it was made"
+    assert arrivals[0] < 0.5 * arrivals[-1], f"the first bytes came at {arrivals[0]:.2f} s of {arrivals[-1]:.2f} s"
+    assert_length(decoded_length(body, response_format), http_audio_samples(server) - before, response_format,
+                  streamed=True)
+
+
+@pytest.mark.parametrize("response_format", HTTP_FORMATS)
+def test_a_whole_body_says_its_length(server, client, response_format):
+    before = http_audio_samples(server)
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="vivian", input="Hello there.", response_format=response_format,
+            extra_body={"stream": False}) as response:
+        headers, body = response.headers, response.read()
+    made = int(headers["x-audio-samples"])
+    assert int(headers["content-length"]) == len(body) and "transfer-encoding" not in headers
+    assert made == http_audio_samples(server) - before
+    assert_length(decoded_length(body, response_format), made, response_format, streamed=False)
+
+
+def test_streamed_and_whole_wav_carry_the_same_audio(server, client):
+    """The same seed, streamed (sizes "unknown", 0xFFFFFFFF) and whole (exact sizes): the same samples."""
+    bodies = {}
+    for stream in (True, False):
+        with client.audio.speech.with_streaming_response.create(
+                model="tts-1", voice="vivian", input="Hello there.", response_format="wav",
+                extra_body={"stream": stream, "seed": 11}) as response:
+            bodies[stream] = response.read()
+    streamed, whole = bodies[True], bodies[False]
+    assert streamed[4:8] == streamed[40:44] == b"\xff\xff\xff\xff"
+    assert int.from_bytes(whole[40:44], "little") == len(whole) - 44
+    assert streamed[44:] == whole[44:] and len(whole) > 44
+
+
+@pytest.mark.parametrize("response_format", ["pcm", "opus", "wav"])
+def test_sse_deltas_carry_the_format_as_it_is_made(server, client, response_format):
+    before = http_audio_samples(server)
+    sent, events = time.monotonic(), []
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="vivian", input=LONG_TEXT, response_format=response_format,
+            stream_format="sse") as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append((time.monotonic() - sent, json.loads(line[6:])))
+    kinds = [event["type"] for _, event in events]
+    assert kinds[-1] == "speech.audio.done" and set(kinds[:-1]) == {"speech.audio.delta"} and len(kinds) > 3
+    assert events[0][0] < 0.5 * events[-1][0]
+    body = b"".join(base64.b64decode(event["audio"]) for _, event in events[:-1])
+    assert_length(decoded_length(body, response_format), http_audio_samples(server) - before, response_format,
+                  streamed=True)
+
+
+# --- metrics ------------------------------------------------------------------------------------------------------
+
+def test_http_and_socket_traffic_move_their_own_series(server, client):
+    def counts() -> dict[str, float]:
+        samples = metric_samples(server)[1]
+        return {f"{name}:{transport}": samples.get((name, (("transport", transport),)), 0.0)
+                for name in ("voxgate_ttfa_seconds_count", "voxgate_audio_seconds_total")
+                for transport in ("http", "ws")}
+
+    before = counts()
+    client.audio.speech.create(model="tts-1", voice="vivian", input="Hi.", response_format="pcm").read()
+    after_http = counts()
+    assert after_http["voxgate_ttfa_seconds_count:http"] == before["voxgate_ttfa_seconds_count:http"] + 1
+    assert after_http["voxgate_audio_seconds_total:http"] > before["voxgate_audio_seconds_total:http"]
+    assert after_http["voxgate_ttfa_seconds_count:ws"] == before["voxgate_ttfa_seconds_count:ws"]
+    assert after_http["voxgate_audio_seconds_total:ws"] == before["voxgate_audio_seconds_total:ws"]
+
+    async def speak() -> None:
+        async with VoxgateClient.connect(server.ws, encoding="pcm_s16le") as socket:
+            result = await socket.speak("c1", ["Hi."])
+            assert result.done is not None and result.frames
+
+    asyncio.run(speak())
+    after_ws = counts()
+    assert after_ws["voxgate_ttfa_seconds_count:ws"] == after_http["voxgate_ttfa_seconds_count:ws"] + 1
+    assert after_ws["voxgate_audio_seconds_total:ws"] > after_http["voxgate_audio_seconds_total:ws"]
+    assert after_ws["voxgate_ttfa_seconds_count:http"] == after_http["voxgate_ttfa_seconds_count:http"]
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({"input": "Hi.", "response_format": "ogg"}, 400, "unsupported_format"),
+    ({"input": "   "}, 400, "empty_text"),
+    ({"input": "Hi.", "stream_format": "sse", "stream": False}, 400, "invalid_message"),
+    ({"input": "Hi.", "voice": "nobody"}, 400, "unknown_voice"),
+    ({"input": "x" * 401}, 400, "text_too_long"),
+])
+def test_http_errors_are_counted_by_code(server, body, status, code):
+    before = metric(server, "voxgate_errors_total", code=code, transport="http")
+    before_status = metric(server, "voxgate_http_speech_requests_total", status=str(status))
+    got, _, payload = server.post("/v1/audio/speech", body)
+    assert got == status and json.loads(payload)["error"]["code"] == code
+    assert metric(server, "voxgate_errors_total", code=code, transport="http") == before + 1
+    assert metric(server, "voxgate_http_speech_requests_total", status=str(status)) == before_status + 1
+    assert metric(server, "voxgate_errors_total", code=code, transport="ws") == 0
+
+
+@pytest.mark.parametrize("accept, openmetrics", [
+    (None, False), ("text/plain", False), ("*/*", False),
+    ("application/openmetrics-text; version=1.0.0", True),
+    ("application/openmetrics-text;version=1.0.0;q=0.9, text/plain;version=0.0.4;q=0.5", True),
+    ("application/openmetrics-text", True),
+])
+def test_metrics_negotiate_openmetrics(server, accept, openmetrics):
+    content_type, samples = metric_samples(server, accept)
+    if openmetrics:
+        assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    else:
+        assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    # either way the same series, PROTOCOL.md's names among them (OpenMetrics names the counter family without
+    # _total, its samples with it)
+    names = {name for name, _ in samples}
+    assert {"voxgate_sessions_active", "voxgate_ttfa_seconds_bucket", "voxgate_audio_seconds_total",
+            "voxgate_errors_total", "voxgate_engine_requests_active"} <= names
+
+
+# --- hostile values of the format fields --------------------------------------------------------------------------
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                       max_size=3), max_leaves=6)
+FORMAT_FIELDS = {
+    "response_format": st.sampled_from([*HTTP_FORMATS, "ogg", "mp4", "WAV", "pcm ", "", "opus\u0000"]) | JSON_VALUES,
+    "stream_format": st.sampled_from(["audio", "sse", "SSE", "chunks", ""]) | JSON_VALUES,
+    "stream": st.booleans() | JSON_VALUES,
+}
+
+
+@st.composite
+def format_bodies(draw) -> dict:
+    body = {"input": "Hi.", "voice": "vivian"}
+    for name, values in FORMAT_FIELDS.items():
+        if draw(st.booleans()):
+            body[name] = draw(values)
+    return body
+
+
+def post_raw(server: RunningServer, body: dict | bytes) -> tuple[int, dict[str, str], bytes]:
+    status, headers, payload = server.post("/v1/audio/speech", body)
+    return status, {k.lower(): v for k, v in headers.items()}, payload
+
+
+@pytest.fixture(scope="module")
+def bystander(server):
+    """Another user's long stream, running while the hostile bodies arrive: (thread, its result)."""
+    result: dict = {}
+
+    def listen() -> None:
+        result["status"], _, result["body"] = post_raw(server, {"input": LONG_TEXT * 3, "response_format": "pcm"})
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    return thread, result
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=format_bodies())
+def test_hostile_format_fields_get_a_valid_file_or_a_specific_error(server, bystander, body):
+    wire = json.dumps(body)
+    status, headers, payload = post_raw(server, wire.encode())
+    if status != 200:
+        error = json.loads(payload)["error"]
+        codes = ("invalid_json",) if "Infinity" in wire else ("unsupported_format", "invalid_message")
+        assert status == 400 and error["code"] in codes, (body, error)
+        return
+    response_format = body.get("response_format") or "wav"
+    assert response_format in HTTP_FORMATS, body
+    if body.get("stream_format") == "sse":
+        events = [json.loads(line[6:]) for line in payload.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1]["type"] == "speech.audio.done", events[-1]
+        payload = b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
+    else:
+        assert headers["content-type"] == CONTENT_TYPES[response_format]
+        assert ("content-length" in headers) is (body.get("stream") is False)
+    assert payload.startswith(MAGIC.get(response_format, b"")) and decoded_length(payload, response_format) > 0
+
+
+def test_the_bystander_stream_was_not_disturbed(server, bystander):
+    """After the hostile bodies: the long stream ended whole, as long as the same request alone makes."""
+    thread, result = bystander
+    thread.join(timeout=300)
+    status, _, alone = post_raw(server, {"input": LONG_TEXT * 3, "response_format": "pcm"})
+    assert result["status"] == status == 200 and len(result["body"]) == len(alone) > 0
