@@ -22,6 +22,7 @@ from realtime.auth import Auth, KeyRefused, OriginRefused
 from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway
+from realtime.lexicons_http import delete_lexicon, list_lexicons, show_lexicon, store_lexicon
 from realtime.speech_http import SpeechRequest, parse_speech_request, sse_events, start_speech, whole_file
 from realtime.ws.protocol import (
     CLOSE_OVERLOADED,
@@ -91,6 +92,32 @@ def create_app(gateway: Gateway) -> Starlette:
         gateway.metrics.http_requests.labels(status="200").inc()
         return response
 
+    async def lexicons(request: Request) -> Response:
+        refused = _key_refusal(request, auth)
+        if refused is not None:
+            return refused
+        try:
+            if request.method == "GET":
+                return JSONResponse(list_lexicons(gateway.lexicons))
+            body, status = store_lexicon(await _body(request, gateway.limits.max_message_bytes), gateway.lexicons)
+        except HTTPFailure as failure:
+            return failed(failure)
+        return JSONResponse(body, status_code=status)
+
+    async def lexicon(request: Request) -> Response:
+        refused = _key_refusal(request, auth)
+        if refused is not None:
+            return refused
+        act = delete_lexicon if request.method == "DELETE" else show_lexicon
+        try:
+            return JSONResponse(act(request.path_params["name"], gateway.lexicons))
+        except HTTPFailure as failure:
+            return failed(failure)
+
+    def failed(failure: HTTPFailure) -> Response:
+        gateway.metrics.errors.labels(code=failure.code).inc()
+        return JSONResponse(failure.body(), status_code=failure.status)
+
     async def tts_socket(websocket: WebSocket) -> None:
         await websocket.accept()
         refusal = _socket_refusal(websocket, gateway, auth)
@@ -115,6 +142,8 @@ def create_app(gateway: Gateway) -> Starlette:
     routes = [
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/lexicons", lexicons, methods=["GET", "POST"]),
+        Route("/v1/lexicons/{name}", lexicon, methods=["GET", "DELETE"]),
         WebSocketRoute("/v1/tts/stream", tts_socket), WebSocketRoute("/v1/chat", chat),
     ]
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
@@ -168,12 +197,20 @@ async def _pcm_body(chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
         log.warning("a streamed speech response ended early: %s", failure.code)
 
 
-def _refusal(request: Request, gateway: Gateway, auth: Auth) -> Response | None:
-    """401 without a valid key, 503 before the model is ready."""
+def _key_refusal(request: Request, auth: Auth) -> Response | None:
+    """401 without a valid key."""
     try:
         auth.check(request, origin=False)
     except KeyRefused:
         return JSONResponse({"error": {"code": "unauthorized", "message": "a valid API key is required"}}, 401)
+    return None
+
+
+def _refusal(request: Request, gateway: Gateway, auth: Auth) -> Response | None:
+    """401 without a valid key, 503 before the model is ready."""
+    refused = _key_refusal(request, auth)
+    if refused is not None:
+        return refused
     if gateway.readiness()[0] is False:
         reason = gateway.readiness()[1]
         return JSONResponse({"error": {"code": "overloaded", "message": f"not ready: {reason}"}}, 503)

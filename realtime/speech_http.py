@@ -14,8 +14,18 @@ from realtime.audio.files import encode_file, mp3_available
 from realtime.audio.formats import HTTP_FORMATS, UnsupportedFormat, pcm_s16le
 from realtime.errors import HTTPFailure, engine_http_failure
 from realtime.gateway import Gateway
+from realtime.lexicon import Lexicon
 from realtime.voices import VoiceError
-from realtime.ws.protocol import FIELD_LIMITS, MAX_NAME_CHARS, MAX_SEED, ProtocolError, Sampling, check_limit, load_json
+from realtime.ws.protocol import (
+    FIELD_LIMITS,
+    MAX_NAME_CHARS,
+    MAX_SEED,
+    ProtocolError,
+    Sampling,
+    check_limit,
+    lexicon_of,
+    load_json,
+)
 from realtime.ws.speech_context import ContextAudio, ContextEnd
 
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -38,6 +48,7 @@ class SpeechRequest:
     seed: int | None
     stream: bool = True  # the audio goes out as it is made; False: one body once it is all made
     layout: str = DEFAULT_LAYOUT
+    lexicon: Lexicon | None = None  # an extension: pronunciation rules (a stored lexicon's name or inline)
 
 
 STRING_FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "language")
@@ -80,7 +91,8 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
         raise _bad(f"seed must be an integer from 0 to {MAX_SEED}")
     sse = stream_format == "sse"
     return SpeechRequest(text, body.get("voice"), body.get("instructions"), body.get("language") or "auto",
-                         response_format, sse, seed, _stream(body, response_format, sse), _layout(body))
+                         response_format, sse, seed, _stream(body, response_format, sse), _layout(body),
+                         _lexicon(body, gateway))
 
 
 def _check_strings(body: dict) -> None:
@@ -130,6 +142,15 @@ def _optional_bool(body: dict, name: str) -> bool | None:
     return value
 
 
+def _lexicon(body: dict, gateway: Gateway) -> Lexicon | None:
+    if body.get("lexicon") is None:
+        return None
+    try:
+        return lexicon_of(body["lexicon"], gateway.lexicons, "invalid_message")
+    except ProtocolError as failure:
+        raise HTTPFailure.of(failure) from None
+
+
 def _bad(message: str) -> HTTPFailure:
     return HTTPFailure(400, "invalid_message", message)
 
@@ -150,7 +171,7 @@ def start_speech(request: SpeechRequest, gateway: Gateway) -> AsyncIterator[np.n
         template = gateway.template(voice, request.language, Sampling(seed=request.seed), request.layout)
     except VoiceError as failure:  # an unknown voice or language
         raise HTTPFailure(400, failure.code, str(failure)) from None
-    speech = gateway.speech_context(template, "none", 0)
+    speech = gateway.speech_context(template, "none", 0, request.lexicon)
     speech.append(request.text)
     speech.end()
     return _chunks(speech)
