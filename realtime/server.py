@@ -1,8 +1,8 @@
-"""Running the app under uvicorn: WebSocket compression off, the message size limit, pings for dead peers, and a
-shutdown that lets sessions finish or cancel their contexts before uvicorn closes the sockets, and a write buffer
-that a pong and a blocked send can wait on together. The transport guards
-what uvicorn leaves open: a deadline for each request's headers (silent and slow-loris connections), a cap on open
-connections, and logs that never hold an API key."""
+"""Running the app under uvicorn: WebSocket compression off, the message size limit, pings for dead peers, a write
+buffer that a pong and a blocked send can wait on together, and a shutdown that lets sessions finish or cancel their
+contexts before uvicorn closes the sockets. The transport guards what uvicorn leaves open: a deadline for each
+request's headers (silent and slow-loris connections), a cap on open connections, and logs that never hold an API
+key."""
 from __future__ import annotations
 
 import asyncio
