@@ -21,6 +21,7 @@ from realtime.auth import Auth, KeyRefused, OriginRefused
 from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway
+from realtime.lexicons_http import delete_lexicon, list_lexicons, show_lexicon, store_lexicon
 from realtime.speech_http import parse_speech_request, start_speech
 from realtime.speech_response import Delivery, speech_response
 from realtime.voice_library import read_upload
@@ -108,6 +109,22 @@ def create_app(gateway: Gateway) -> Starlette:
             return JSONResponse(await gateway.library.delete(voice_id))
         return await _http(request, gateway, auth, handle)
 
+    async def lexicons(request: Request) -> Response:
+        """GET lists the stored lexicons, POST stores one (lexicons_http.py); no model needed."""
+        async def handle() -> Response:
+            if request.method == "GET":
+                return JSONResponse(list_lexicons(gateway.lexicons))
+            body, status = store_lexicon(await _body(request, gateway.limits.max_message_bytes), gateway.lexicons)
+            return JSONResponse(body, status_code=status)
+        return await _http(request, gateway, auth, handle, needs_model=False)
+
+    async def lexicon(request: Request) -> Response:
+        act = delete_lexicon if request.method == "DELETE" else show_lexicon
+
+        async def handle() -> Response:
+            return JSONResponse(act(request.path_params["name"], gateway.lexicons))
+        return await _http(request, gateway, auth, handle, needs_model=False)
+
     async def tts_socket(websocket: WebSocket) -> None:
         await websocket.accept()
         refusal = _socket_refusal(websocket, gateway, auth)
@@ -134,6 +151,8 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
         Route("/v1/audio/voices", library_voices, methods=["GET", "POST"]),
         Route("/v1/audio/voices/{voice_id}", library_voice, methods=["GET", "DELETE"]),
+        Route("/v1/lexicons", lexicons, methods=["GET", "POST"]),
+        Route("/v1/lexicons/{name}", lexicon, methods=["GET", "DELETE"]),
         WebSocketRoute("/v1/tts/stream", tts_socket), WebSocketRoute("/v1/chat", chat),
     ]
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
@@ -142,11 +161,11 @@ def create_app(gateway: Gateway) -> Starlette:
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable[[], Awaitable[Response]]
-                ) -> Response:
+async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable[[], Awaitable[Response]],
+                needs_model: bool = True) -> Response:
     """An API request after the key and readiness checks; a refusal (HTTPFailure) as its JSON, counted by code."""
     try:
-        _check_access(request, gateway, auth)
+        _check_access(request, gateway, auth, needs_model)
         return await handle()
     except HTTPFailure as failure:
         gateway.metrics.http.error(failure.code)
@@ -167,14 +186,14 @@ async def _body(request: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-def _check_access(request: Request, gateway: Gateway, auth: Auth) -> None:
-    """Raises HTTPFailure: 401 without a valid key, 503 before the model is ready."""
+def _check_access(request: Request, gateway: Gateway, auth: Auth, needs_model: bool = True) -> None:
+    """Raises HTTPFailure: 401 without a valid key, 503 before the model is ready (when the route needs it)."""
     try:
         auth.check(request, origin=False)
     except KeyRefused:
         raise HTTPFailure(401, "unauthorized", "a valid API key is required") from None
     is_ready, reason = gateway.readiness()
-    if not is_ready:
+    if needs_model and not is_ready:
         raise HTTPFailure(503, "overloaded", f"not ready: {reason}")
 
 

@@ -27,6 +27,7 @@ from engine.sampling import SamplingParams
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
+from realtime.lexicon import Lexicon, LexiconStore
 from realtime.llm import LLMConfig
 from realtime.metrics import Metrics
 from realtime.voice_library import UPLOAD_VARIANTS, VoiceLibrary
@@ -122,6 +123,7 @@ class Gateway:
         self.library: VoiceLibrary | None = None
         self.engine: AsyncEngine | ProcessEngine | None = None
         self.sessions: set = set()
+        self.lexicons = LexiconStore()  # named pronunciation lexicons, in memory
         self.shutting_down = False
         self.on_fatal: Callable[[str], None] | None = None  # the gateway failed for good (the server exits)
         self._restarted_at: float | None = None  # when the engine was last restarted
@@ -321,8 +323,9 @@ class Gateway:
         penalty = base.repetition_penalty if wanted.repetition_penalty is None else wanted.repetition_penalty
         return SamplingParams(talker, base.code_predictor, penalty, seed)
 
-    def speech_context(self, template: SynthesisRequest, buffering: str, max_buffer_delay_ms: int) -> SpeechContext:
-        return SpeechContext(self.engine, template, UtterancePlanner(buffering, max_buffer_delay_ms / 1000))
+    def speech_context(self, template: SynthesisRequest, buffering: str, max_buffer_delay_ms: int,
+                       lexicon: Lexicon | None = None) -> SpeechContext:
+        return SpeechContext(self.engine, template, UtterancePlanner(buffering, max_buffer_delay_ms / 1000), lexicon)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

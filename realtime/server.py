@@ -1,7 +1,8 @@
-"""Running the app under uvicorn: WebSocket compression off, the message size limit, pings for dead peers, and a
-shutdown that lets sessions finish or cancel their contexts before uvicorn closes the sockets. The transport guards
-what uvicorn leaves open: a deadline for each request's headers (silent and slow-loris connections), a cap on open
-connections, and logs that never hold an API key."""
+"""Running the app under uvicorn: WebSocket compression off, the message size limit, pings for dead peers, a write
+buffer that a pong and a blocked send can wait on together, and a shutdown that lets sessions finish or cancel their
+contexts before uvicorn closes the sockets. The transport guards what uvicorn leaves open: a deadline for each
+request's headers (silent and slow-loris connections), a cap on open connections, and logs that never hold an API
+key."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import logging
 import re
 import socket
 import warnings
+from collections import deque
 from typing import Any
 from urllib.parse import unquote_plus
 
@@ -27,6 +29,48 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="The `websockets` implementation is deprecated")
     warnings.filterwarnings("ignore", message="websockets.legacy is deprecated")
     from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
+
+
+
+class SharedDrainWebSocketProtocol(WebSocketProtocol):
+    """The legacy protocol with a write buffer that several writers may wait on at once. Its own flow control keeps
+    one waiter and asserts there is no other, but a client that reads slowly makes two writers wait together: the
+    session's send of audio and the pong that answers the client's ping (or a keepalive ping, or a close frame).
+    The assertion then failed the connection with 1011, ahead of the slow-consumer policy's error and 1008. Here
+    every waiter waits its turn, as asyncio's own streams do."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._drain_waiters: deque[asyncio.Future[None]] = deque()
+        super().__init__(*args, **kwargs)
+
+    async def _drain_helper(self) -> None:
+        if self.connection_lost_waiter.done():
+            raise ConnectionResetError("Connection lost")
+        if not self._paused:
+            return
+        waiter = self.loop.create_future()
+        self._drain_waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            self._drain_waiters.remove(waiter)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._wake_writers(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._wake_writers(exc)
+
+    def _wake_writers(self, exc: Exception | None) -> None:
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                if exc is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(exc)
+
 
 PING_INTERVAL_S = 20.0
 PING_TIMEOUT_S = 20.0
@@ -168,8 +212,8 @@ def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8
                                   max_connections=connection_cap(limits))
 
     config = uvicorn.Config(create_app(gateway), host=host, port=port, log_level=log_level, http=protocol,
-                            ws=WebSocketProtocol, ws_max_size=limits.max_message_bytes, ws_per_message_deflate=False,
-                            ws_ping_interval=PING_INTERVAL_S, ws_ping_timeout=PING_TIMEOUT_S,
+                            ws=SharedDrainWebSocketProtocol, ws_max_size=limits.max_message_bytes,
+                            ws_per_message_deflate=False, ws_ping_interval=PING_INTERVAL_S, ws_ping_timeout=PING_TIMEOUT_S,
                             timeout_graceful_shutdown=10)
     redact_logs()  # after uvicorn.Config, which configures uvicorn's loggers
     server = _Server(config, gateway)

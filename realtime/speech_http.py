@@ -17,8 +17,18 @@ from realtime.audio.formats import HTTP_FORMATS
 from realtime.audio.time_stretch import SPEED_RANGE, TimeStretch
 from realtime.errors import HTTPFailure, engine_http_failure
 from realtime.gateway import Gateway
+from realtime.lexicon import Lexicon
 from realtime.voices import VoiceError
-from realtime.ws.protocol import FIELD_LIMITS, MAX_NAME_CHARS, MAX_SEED, ProtocolError, Sampling, check_limit, load_json
+from realtime.ws.protocol import (
+    FIELD_LIMITS,
+    MAX_NAME_CHARS,
+    MAX_SEED,
+    ProtocolError,
+    Sampling,
+    check_limit,
+    lexicon_of,
+    load_json,
+)
 from realtime.ws.speech_context import ContextAudio, ContextEnd
 
 # OpenAI's speech models, dated snapshots included: tts-1, tts-1-hd, tts-1-1106, gpt-4o-mini-tts,
@@ -43,6 +53,7 @@ class SpeechRequest:
     stream: bool = True  # the audio goes out as it is made; False: one body, with its length, once it is all made
     layout: str = DEFAULT_LAYOUT
     speed: float = 1.0  # the tempo (2.0: twice as fast), pitch kept
+    lexicon: Lexicon | None = None  # an extension: pronunciation rules (a stored lexicon's name or inline)
 
 
 STRING_FIELDS = ("model", "input", "instructions", "response_format", "stream_format", "language")
@@ -83,7 +94,7 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
         raise _bad(f"seed must be an integer from 0 to {MAX_SEED}")
     sse = stream_format == "sse"
     return SpeechRequest(text, voice, body.get("instructions"), body.get("language") or "auto",
-                         response_format, sse, seed, _stream(body, sse), _layout(body), speed)
+                         response_format, sse, seed, _stream(body, sse), _layout(body), speed, _lexicon(body, gateway))
 
 
 def _check_strings(body: dict) -> None:
@@ -153,6 +164,15 @@ def _optional_bool(body: dict, name: str) -> bool | None:
     return value
 
 
+def _lexicon(body: dict, gateway: Gateway) -> Lexicon | None:
+    if body.get("lexicon") is None:
+        return None
+    try:
+        return lexicon_of(body["lexicon"], gateway.lexicons, "invalid_message")
+    except ProtocolError as failure:
+        raise HTTPFailure.of(failure) from None
+
+
 def _bad(message: str) -> HTTPFailure:
     return HTTPFailure(400, "invalid_message", message)
 
@@ -165,7 +185,7 @@ def start_speech(request: SpeechRequest, gateway: Gateway) -> AsyncIterator[np.n
         template = gateway.template(voice, request.language, Sampling(seed=request.seed), request.layout)
     except VoiceError as failure:  # an unknown voice or language
         raise HTTPFailure(400, failure.code, str(failure)) from None
-    speech = gateway.speech_context(template, "none", 0)
+    speech = gateway.speech_context(template, "none", 0, request.lexicon)
     speech.append(request.text)
     speech.end()
     return _chunks(speech) if request.speed == 1.0 else _stretched(_chunks(speech), request.speed)

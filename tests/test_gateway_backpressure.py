@@ -1,11 +1,14 @@
 """A client that stops reading: the session's queued audio stays bounded (synthesis waits), the client is warned,
-and past the hard limit the session is closed with `slow_consumer`; the server keeps serving others."""
+and past the hard limit the session is closed with `slow_consumer`; the server keeps serving others. A client that
+keeps sending pings meanwhile gets the same close: the pongs wait behind its unread audio."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 
+import pytest
 from websockets.asyncio.client import connect
 
 import realtime.server as server_module
@@ -13,10 +16,12 @@ from realtime.gateway import Limits
 from tests.gateway_server import events_until_closed, running_server
 
 SEND_QUEUE_MS = 400
+PING_EVERY_S = 0.1
 
 
-def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch):
-    # a client that reads nothing answers no ping either: keep the ping timeout out of the way of the hard limit
+@pytest.mark.parametrize("pinging", [False, True], ids=["silent", "pinging"])
+def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch, pinging):
+    # a client that reads nothing answers no server ping either: keep the ping timeout out of the way of the hard limit
     monkeypatch.setattr(server_module, "PING_INTERVAL_S", 120.0)
     with running_server(Limits(send_queue_ms=SEND_QUEUE_MS)) as server:
         async def go():
@@ -24,7 +29,8 @@ def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch):
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", int(server.http.rsplit(":", 1)[1])))
-            # no client pings either: the legacy server protocol cannot answer one while its send is blocked
+            # no keepalive of the library's: its pongs could not arrive (this client reads nothing), so it would
+            # close the socket itself; the pinging client sends its pings by hand and never waits for a pong
             ws = await connect(server.ws + "?encoding=pcm_s16le&sample_rate=48000", sock=sock, max_queue=1,
                                max_size=None, ping_interval=None)
             await ws.recv()  # session.started
@@ -33,19 +39,32 @@ def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch):
                 await ws.send(json.dumps({"type": "text.append", "context_id": str(i), "flush": True,
                                           "text": "A long answer that keeps the model talking for a while. " * 5}))
             (session,) = server.gateway.sessions
+            pings = asyncio.create_task(_ping_forever(ws)) if pinging else None
             peak = 0.0
             for _ in range(1200):  # up to 60 s without reading (the kernel buffers megabytes first)
                 await asyncio.sleep(0.05)
                 peak = max(peak, session.outbox.queued_ms)
                 if session._close is not None:
                     break
+            if pings is not None:
+                assert not pings.done(), pings  # the client pinged all along
+                pings.cancel()
             chunk_ms = 320  # the largest chunk the engine hands over at once (4 frames of 80 ms)
             assert peak <= SEND_QUEUE_MS + 4 * chunk_ms  # each of the 4 contexts may add one chunk past the limit
             ws.transport.resume_reading()
             events, close_code = await events_until_closed(ws)
             codes = [e.get("code") for e in events if e["type"] in ("warning", "error")]
             assert "slow_consumer" in codes, (close_code, events[-3:])
-            assert close_code == 1008 and any(e["type"] == "error" and e["fatal"] for e in events)
+            assert close_code == 1008 and any(e["type"] == "error" and e["fatal"] for e in events), (close_code,
+                                                                                                   events[-3:])
             async with connect(server.ws) as other:  # the server is fine
                 assert json.loads(await other.recv())["type"] == "session.started"
         asyncio.run(go())
+
+
+async def _ping_forever(ws) -> None:
+    """Pings that the server answers while its sends to this client are blocked (the pongs are never awaited)."""
+    with contextlib.suppress(asyncio.CancelledError):
+        while True:
+            await ws.ping()
+            await asyncio.sleep(PING_EVERY_S)

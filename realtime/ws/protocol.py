@@ -13,6 +13,7 @@ from itertools import accumulate
 from typing import Any, Protocol
 
 from realtime.audio.formats import DEFAULT_RATES, MODEL_SAMPLE_RATE, AudioFormat, UnsupportedFormat
+from realtime.lexicon import Lexicon, LexiconError
 from realtime.ws.utterances import BUFFERING
 
 PROTOCOL = "voxgate.v1"
@@ -70,6 +71,7 @@ class SessionConfig:
     max_buffer_delay_ms: int = 150
     sampling: Sampling = field(default_factory=Sampling)
     timestamps: str = "none"  # "word": estimated word times (`timestamps` events)
+    lexicon: Lexicon | None = None  # pronunciation rules for every context (a context's own replace them)
 
 
 def pack_header(flags: int, stream_id: int, pts: int) -> bytes:
@@ -93,9 +95,10 @@ _ANY = (object,)
 # type -> {field: (accepted python types, required)}; session.start's fields are checked one by one by `configure`
 MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "session.start": {name: (_ANY, False) for name in ("voice", "language", "instructions", "audio", "transport",
-                                                       "preset", "text", "sampling", "timestamps")},
+                                                       "preset", "text", "sampling", "timestamps", "lexicon")},
     "text.append": {"context_id": (_STR, True), "text": (_STR, True), "flush": (_BOOL, False),
-                    "voice": (_STR, False), "instructions": (_STR, False), "language": (_STR, False)},
+                    "voice": (_STR, False), "instructions": (_STR, False), "language": (_STR, False),
+                    "lexicon": ((str, list), False)},
     "context.flush": {"context_id": (_STR, True)},
     "context.end": {"context_id": (_STR, True)},
     "context.cancel": {"context_id": (_STR, True), "played_ms": (_NUMBER, False)},
@@ -240,7 +243,8 @@ def _check_fields(message: dict[str, Any], schemas: dict[str, dict[str, tuple[tu
             if required:
                 raise ProtocolError("invalid_message", f"{kind}: missing field {name!r}", context_id=context_id)
             continue
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types) or _not_finite(value):
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types and types is not _ANY) or (
+                _not_finite(value)):
             expected = " or ".join(dict.fromkeys(_TYPE_NAMES[t] for t in types))
             raise ProtocolError("invalid_message", f"{kind}: field {name!r} must be {expected}", context_id=context_id)
         if types is not _ANY:
@@ -283,11 +287,19 @@ class SessionChecks(Protocol):
     def check_language(self, language: str) -> None: ...
 
 
-def configure(config: SessionConfig, fields: dict[str, Any], checks: SessionChecks | None = None
-              ) -> tuple[SessionConfig, list[ProtocolError]]:
+class LexiconSource(Protocol):
+    """Where a `lexicon` field's value becomes a lexicon: a stored one's name or rules given inline (the gateway's
+    LexiconStore; raises LexiconError)."""
+
+    def resolve(self, value: Any) -> Lexicon: ...
+
+
+def configure(config: SessionConfig, fields: dict[str, Any], checks: SessionChecks | None = None,
+              lexicons: LexiconSource | None = None) -> tuple[SessionConfig, list[ProtocolError]]:
     """`config` updated field by field from session.start fields or query parameters (the preset first, explicit
     fields over it); a bad field is refused with its error (`invalid_config` / `unsupported_format`) and keeps its
-    previous value, the others apply. `checks` refuses a voice or language the model does not have."""
+    previous value, the others apply. `checks` refuses a voice or language the model does not have; `lexicons`
+    resolves a `lexicon` field (without it the field is refused)."""
     errors = []
     preset = fields.get("preset")
     if preset is not None:
@@ -302,11 +314,26 @@ def configure(config: SessionConfig, fields: dict[str, Any], checks: SessionChec
                 config = _apply(config, {name: value}, checks)
             except ProtocolError as failure:
                 errors.append(failure)
+    if fields.get("lexicon") is not None:
+        try:
+            config = replace(config, lexicon=lexicon_of(fields["lexicon"], lexicons, "invalid_config"))
+        except ProtocolError as failure:
+            errors.append(failure)
     return config, errors
 
 
 SESSION_FIELDS = ("voice", "language", "instructions", "audio", "transport", "text", "sampling", "timestamps")
 TIMESTAMPS = ("none", "word")
+
+
+def lexicon_of(value: Any, lexicons: LexiconSource | None, code: str, context_id: str | None = None) -> Lexicon:
+    """A `lexicon` field (a stored lexicon's name or inline rules) as a lexicon; raises ProtocolError(`code`)."""
+    if lexicons is None:
+        raise ProtocolError(code, "lexicons are not available here", context_id=context_id)
+    try:
+        return lexicons.resolve(value)
+    except LexiconError as failure:
+        raise ProtocolError(code, f"lexicon: {failure}", context_id=context_id) from None
 
 
 def _shown(value: Any) -> str:
@@ -443,10 +470,15 @@ def session_started(session_id: str, model: str, voice: str, config: SessionConf
     return event("session.started", session_id=session_id, protocol=PROTOCOL, model=model, voice=voice,
                  audio=audio_description(config.audio, pre_skip), transport={"audio": config.transport},
                  text={"buffering": config.buffering, "max_buffer_delay_ms": config.max_buffer_delay_ms},
-                 timestamps=config.timestamps,
+                 timestamps=config.timestamps, lexicon=lexicon_description(config.lexicon),
                  limits={"max_contexts": limits.max_contexts, "max_text_chars": limits.max_text_chars,
                          "max_message_bytes": limits.max_message_bytes, "idle_timeout_s": limits.idle_timeout_s},
                  event_id=event_id)
+
+
+def lexicon_description(lexicon: Lexicon | None) -> dict[str, Any] | None:
+    """What `session.started` says of the session's lexicon: its name (null when given inline) and its size."""
+    return None if lexicon is None else {"name": lexicon.name, "rules": len(lexicon.rules)}
 
 
 def audio_description(fmt: AudioFormat, pre_skip: int) -> dict[str, Any]:

@@ -73,7 +73,8 @@ class ContextRegistry:
             template = self.gateway.template(voice, language, config.sampling)
         except VoiceError as failure:  # an unknown voice or language
             raise ProtocolError(failure.code, str(failure), context_id=context_id) from None
-        speech = self.gateway.speech_context(template, config.buffering, config.max_buffer_delay_ms)
+        lexicon = self.settings.context_lexicon(message)
+        speech = self.gateway.speech_context(template, config.buffering, config.max_buffer_delay_ms, lexicon)
         stream_id, self._next_stream_id = self._next_stream_id, (self._next_stream_id + 1) % STREAM_IDS
         framer = AudioFramer(context_id, stream_id, config.audio, config.transport)
         context = SessionContext(context_id, speech, framer, self.outbox, self.gateway.metrics, self.slow,

@@ -44,7 +44,7 @@ class Session:
         self.limits = gateway.limits
         self.id = uuid.uuid4().hex
         self.outbox = Outbox()
-        self.settings = SessionSettings(config, gateway.voices)
+        self.settings = SessionSettings(config, gateway.voices, gateway.lexicons)
         self.slow = SlowConsumerPolicy(self.outbox, self.limits.send_queue_ms,
                                        lambda failure: self.abort(failure, CLOSE_POLICY))
         self.contexts = ContextRegistry(gateway, self.settings, self.outbox, self.slow)

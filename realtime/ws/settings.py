@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from realtime.ws.protocol import ProtocolError, SessionChecks, SessionConfig, configure
+from realtime.lexicon import Lexicon
+from realtime.ws.protocol import LexiconSource, ProtocolError, SessionChecks, SessionConfig, configure, lexicon_of
 
 
 class SessionSettings:
-    def __init__(self, config: SessionConfig, checks: SessionChecks) -> None:
-        self.config, self.checks = config, checks
+    def __init__(self, config: SessionConfig, checks: SessionChecks, lexicons: LexiconSource | None = None) -> None:
+        self.config, self.checks, self.lexicons = config, checks, lexicons
         self.text_started = False  # session.start is refused from then on
 
     def start(self, message: dict[str, Any]) -> list[ProtocolError]:
@@ -18,10 +19,17 @@ class SessionSettings:
         if self.text_started:
             raise ProtocolError("invalid_message", "session.start must come before the first text.append; "
                                                    "nothing was changed")
-        self.config, errors = configure(self.config, message, self.checks)
+        self.config, errors = configure(self.config, message, self.checks, self.lexicons)
         return errors
 
     def context_fields(self, message: dict[str, Any]) -> tuple[str | None, str | None, str]:
         """A new context's voice, instructions and language: its first text.append's, else the session's."""
         return (message.get("voice") or self.config.voice, message.get("instructions") or self.config.instructions,
                 message.get("language") or self.config.language)
+
+    def context_lexicon(self, message: dict[str, Any]) -> Lexicon | None:
+        """A new context's lexicon: its first text.append's (a name or rules), else the session's; raises
+        ProtocolError(`invalid_message`) naming the context."""
+        if message.get("lexicon") is None:
+            return self.config.lexicon
+        return lexicon_of(message["lexicon"], self.lexicons, "invalid_message", message["context_id"])

@@ -6,7 +6,8 @@ complete-text request once the utterance closes), run one after another so that 
 sample positions keep counting across utterances. Flushes and marks are reported right after
 the last audio of the utterance they closed. With a seed, utterance k samples with seed + k (modulo 2**63), so the
 context's audio depends only on its text, its flush / mark / end points, its voice and its seed. Whatever fails, the
-context ends with a `ContextEnd` carrying the typed error.
+context ends with a `ContextEnd` carrying the typed error. A pronunciation lexicon rewrites the text before the
+planner sees it, holding back what the next piece could still change; a flush, mark or end releases it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 from engine.errors import EmptyText, RequestError, SynthesisFailed, VoxgateError, request_failure
 from engine.request import SEED_RANGE, AudioChunk, Finished, SynthesisRequest
 from engine.serving.async_engine import FrontEnd, RequestHandle
+from realtime.lexicon import Lexicon, LexiconStream
 from realtime.ws.utterances import Utterance, UtterancePlanner
 
 
@@ -56,11 +58,13 @@ ContextEvent = ContextAudio | ContextText | ContextMarker | ContextEnd
 
 
 class SpeechContext:
-    def __init__(self, engine: FrontEnd, template: SynthesisRequest, planner: UtterancePlanner) -> None:
+    def __init__(self, engine: FrontEnd, template: SynthesisRequest, planner: UtterancePlanner,
+                 lexicon: Lexicon | None = None) -> None:
         """`template` gives voice, language, sampling and clean-up; its text is ignored."""
         self.engine = engine
         self.template = template
         self.planner = planner
+        self.lexicon = LexiconStream(lexicon) if lexicon is not None else None
         self.samples = 0
         self._events: asyncio.Queue[ContextEvent] = asyncio.Queue()
         self._markers: dict[int, list[tuple[str, str]]] = {}  # utterance index -> markers after its audio
@@ -74,6 +78,9 @@ class SpeechContext:
     def append(self, text: str) -> None:
         if self._ended:
             raise RequestError("text appended after the context ended")
+        self._plan(self.lexicon.append(text) if self.lexicon is not None else text)
+
+    def _plan(self, text: str) -> None:
         loop = asyncio.get_running_loop()
         self.planner.append(text, loop.time())
         waiting = self.planner.open
@@ -93,6 +100,7 @@ class SpeechContext:
 
     def end(self) -> None:
         """No more text: finish speaking, then `ContextEnd`."""
+        self._release_held()
         self.planner.close()
         self._ended = True
         self._wake.set()
@@ -113,7 +121,13 @@ class SpeechContext:
             if isinstance(event, ContextEnd):
                 return
 
+    def _release_held(self) -> None:
+        """The text's end for the lexicon (a flush, a mark, the end): what it held back is decided now."""
+        if self.lexicon is not None and not self._ended:
+            self._plan(self.lexicon.finish())
+
     def _close_with(self, marker: tuple[str, str]) -> None:
+        self._release_held()
         closed = self.planner.close()
         index = closed.index if closed is not None else len(self.planner.utterances) - 1
         self._markers.setdefault(index, []).append(marker)

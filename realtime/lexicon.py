@@ -1,0 +1,251 @@
+"""Pronunciation lexicons: literal words or phrases, matched case-insensitively on word boundaries, replaced by a
+respelling before the text reaches the model.
+
+Clients never send a pattern: the matcher is a trie of the literal terms, walked at most `MAX_TERM_CHARS` characters
+from each position, so its cost is linear in the text whatever the rules. At a position the longest term wins, and
+matching goes on after it (nothing overlaps; a replacement is never matched again). A term never matches part of a
+word: where its first (last) character is a letter, digit or `_`, the character before (after) it must not be one.
+
+Text that arrives in pieces is rewritten exactly as the whole text would be (`LexiconStream`): text that could still
+be the start of a match, or a match whose following character has not arrived, is held back until it is decided
+(at most `MAX_TERM_CHARS` characters); the end of the text (a flush, a mark, `context.end`) decides it.
+"""
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_RULES = 1000  # per lexicon
+MAX_TERM_CHARS = 100
+MAX_REPLACEMENT_CHARS = 200  # a term's text grows at most this much (a 1-character term, 200 characters out)
+MAX_LEXICON_CHARS = 50_000  # terms and replacements together
+MAX_STORED_LEXICONS = 100
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_SPACES = re.compile(r"\s+")
+
+
+class LexiconError(ValueError):
+    """A lexicon refused (malformed, past a bound, a duplicate term) or a name not stored; the socket and the HTTP
+    endpoints each turn it into their error code."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    term: str  # as given, surrounding whitespace stripped and inner runs of it made one space
+    replacement: str
+
+
+@dataclass(frozen=True)
+class Swap:
+    """A match: text[start:end] is spoken as `replacement`."""
+    start: int
+    end: int
+    replacement: str
+
+
+def _fold(ch: str) -> str:
+    """One character for case-insensitive comparison, always one character long (so offsets never shift):
+    its lower case where that is one character, a space for any whitespace."""
+    if ch.isspace():
+        return " "
+    lower = ch.lower()
+    return lower if len(lower) == 1 else ch
+
+
+def _is_word(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
+
+
+class _Node:
+    __slots__ = ("next", "replacement")
+
+    def __init__(self) -> None:
+        self.next: dict[str, _Node] = {}
+        self.replacement: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Lexicon:
+    rules: tuple[Rule, ...]
+    name: str | None = None  # a stored lexicon's name; None: given inline
+    _root: _Node = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        root = _Node()
+        for rule in self.rules:
+            node = root
+            for ch in rule.term:
+                node = node.next.setdefault(_fold(ch), _Node())
+            node.replacement = rule.replacement
+        object.__setattr__(self, "_root", root)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "rules": [{"term": r.term, "replacement": r.replacement} for r in self.rules]}
+
+    def apply(self, text: str) -> str:
+        """The whole text, rewritten."""
+        swaps, _ = self.scan(text, "", final=True)
+        return spoken(text, swaps)
+
+    def scan(self, text: str, before: str, final: bool) -> tuple[list[Swap], int]:
+        """The matches in `text` (`before`: the character preceding it, "" at the start) and how far the text is
+        decided; past that, the next text could still change the result. With `final` all of it is."""
+        swaps: list[Swap] = []
+        i = 0
+        while i < len(text):
+            previous = text[i - 1] if i else before
+            if previous and _is_word(previous) and _is_word(text[i]):
+                i += 1  # inside a word: no term starts here
+                continue
+            end, replacement, decided = self._longest(text, i, final)
+            if not decided:
+                return swaps, i
+            if replacement is None:
+                i += 1
+            else:
+                swaps.append(Swap(i, end, replacement))
+                i = end
+        return swaps, len(text)
+
+    def _longest(self, text: str, start: int, final: bool) -> tuple[int, str | None, bool]:
+        """The longest term at `start` ending on a word boundary: (its end, its replacement or None, whether the text
+        so far decides it)."""
+        node, best_end, best = self._root, start, None
+        for j in range(start, len(text)):
+            node = node.next.get(_fold(text[j]))
+            if node is None:
+                return best_end, best, True
+            if node.replacement is not None:
+                if j + 1 == len(text):
+                    return (j + 1, node.replacement, True) if final else (start, None, False)
+                if not (_is_word(text[j]) and _is_word(text[j + 1])):
+                    best_end, best = j + 1, node.replacement
+        return (best_end, best, True) if final or not node.next else (start, None, False)
+
+
+def spoken(text: str, swaps: list[Swap]) -> str:
+    out, at = [], 0
+    for swap in swaps:
+        out += [text[at:swap.start], swap.replacement]
+        at = swap.end
+    out.append(text[at:])
+    return "".join(out)
+
+
+class LexiconStream:
+    """One context's text through a lexicon, piece by piece: `append` returns what is decided, `finish` the rest
+    (the text's end). The concatenated output equals `Lexicon.apply` of the concatenated input."""
+
+    def __init__(self, lexicon: Lexicon) -> None:
+        self.lexicon = lexicon
+        self._held = ""
+        self._before = ""  # the last character released
+
+    def append(self, text: str) -> str:
+        return self._release(self._held + text, final=False)
+
+    def finish(self) -> str:
+        return self._release(self._held, final=True)
+
+    def _release(self, text: str, final: bool) -> str:
+        swaps, cut = self.lexicon.scan(text, self._before, final)
+        self._held = text[cut:]
+        if cut:
+            self._before = text[cut - 1]
+        return spoken(text[:cut], swaps)
+
+
+# --- parsing a client's lexicon --------------------------------------------------------------------------------
+
+def parse_rules(value: Any, name: str | None = None) -> Lexicon:
+    """A lexicon from a client's rules, `[{"term": ..., "replacement": ...}, ...]`; raises LexiconError naming the
+    first problem."""
+    if not isinstance(value, list):
+        raise LexiconError("a lexicon is a list of rules, each {\"term\": ..., \"replacement\": ...}")
+    if not value:
+        raise LexiconError("a lexicon needs at least one rule")
+    if len(value) > MAX_RULES:
+        raise LexiconError(f"a lexicon takes at most {MAX_RULES} rules, not {len(value)}")
+    rules, seen, size = [], {}, 0
+    for index, item in enumerate(value):
+        rule = _rule(item, index)
+        key = "".join(_fold(ch) for ch in rule.term)
+        if key in seen:
+            raise LexiconError(f"rule {index}: term {rule.term!r} repeats rule {seen[key]} (terms match "
+                               "case-insensitively)")
+        seen[key] = index
+        size += len(rule.term) + len(rule.replacement)
+        if size > MAX_LEXICON_CHARS:
+            raise LexiconError(f"a lexicon's terms and replacements take at most {MAX_LEXICON_CHARS} characters")
+        rules.append(rule)
+    return Lexicon(tuple(rules), name)
+
+
+def _rule(item: Any, index: int) -> Rule:
+    if not isinstance(item, dict):
+        raise LexiconError(f"rule {index} must be an object {{\"term\": ..., \"replacement\": ...}}")
+    term, replacement = item.get("term"), item.get("replacement")
+    if not isinstance(term, str) or not isinstance(replacement, str):
+        raise LexiconError(f"rule {index}: term and replacement must both be strings")
+    term = _SPACES.sub(" ", term.strip())
+    if not term:
+        raise LexiconError(f"rule {index}: the term is empty")
+    if len(term) > MAX_TERM_CHARS:
+        raise LexiconError(f"rule {index}: a term takes at most {MAX_TERM_CHARS} characters")
+    if len(replacement) > MAX_REPLACEMENT_CHARS:
+        raise LexiconError(f"rule {index}: a replacement takes at most {MAX_REPLACEMENT_CHARS} characters")
+    return Rule(term, replacement)
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise LexiconError("a lexicon's name is 1 to 64 letters, digits, '_', '.' or '-', starting with a letter or "
+                           "digit")
+    return name
+
+
+class LexiconStore:
+    """Named lexicons, in memory (they do not survive a restart), at most `capacity` of them. A session or request
+    that names one takes it as it is then: replacing or deleting it later changes no running context."""
+
+    def __init__(self, capacity: int = MAX_STORED_LEXICONS) -> None:
+        self.capacity = capacity
+        self._lexicons: OrderedDict[str, Lexicon] = OrderedDict()
+
+    def put(self, name: Any, rules: Any) -> tuple[Lexicon, bool]:
+        """Store (or replace) a lexicon; returns it and whether it is new. Raises LexiconError, or StoreFull."""
+        lexicon = parse_rules(rules, check_name(name))
+        if name not in self._lexicons and len(self._lexicons) >= self.capacity:
+            raise StoreFull(f"at most {self.capacity} lexicons are stored; delete one first")
+        created = name not in self._lexicons
+        self._lexicons[name] = lexicon
+        return lexicon, created
+
+    def get(self, name: str) -> Lexicon:
+        lexicon = self._lexicons.get(name)
+        if lexicon is None:
+            raise LexiconNotFound(f"no lexicon named {name[:64]!r}; POST /v1/lexicons stores one")
+        return lexicon
+
+    def delete(self, name: str) -> None:
+        self.get(name)
+        del self._lexicons[name]
+
+    def names(self) -> list[str]:
+        return list(self._lexicons)
+
+    def resolve(self, value: Any) -> Lexicon:
+        """A lexicon field of a session, context or request: a stored lexicon's name, or rules given inline."""
+        if isinstance(value, str):
+            return self.get(value)
+        return parse_rules(value)
+
+
+class LexiconNotFound(LexiconError):
+    pass
+
+
+class StoreFull(LexiconError):
+    pass

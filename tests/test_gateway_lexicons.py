@@ -1,0 +1,163 @@
+"""Pronunciation lexicons through a real server (tiny model, CPU): the engine speaks the respelled text, however the
+client split it (same seed, same audio as the respelled text sent whole); named lexicons over HTTP; bad lexicons get
+their specific error and the session goes on."""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.asyncio.client import connect
+
+from realtime.client import VoxgateClient, pcm_from_frames
+from realtime.gateway import Limits
+from tests.gateway_server import running_server
+
+KEY = "lexicon-key"
+RULES = [{"term": "NASA", "replacement": "nassa"}, {"term": "New York", "replacement": "Noo Yorck"}]
+SPLIT = ["I work at NA", "SA in New", " Yo", "rk, and", " you?"]
+RESPELLED = "I work at nassa in Noo Yorck, and you?"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(Limits(api_keys=(KEY,))) as running:
+        yield running
+
+
+def client(server):
+    return VoxgateClient.connect(server.ws, api_key=KEY, encoding="pcm_s16le")
+
+
+async def raw(server):
+    ws = await connect(server.ws, additional_headers={"Authorization": f"Bearer {KEY}"}, max_size=None)
+    assert json.loads(await ws.recv())["type"] == "session.started"
+    return ws
+
+
+async def until(ws, predicate, timeout: float = 60) -> list[dict]:
+    seen = []
+    while True:
+        message = await asyncio.wait_for(ws.recv(), timeout)
+        if isinstance(message, str):
+            seen.append(json.loads(message))
+            if predicate(seen[-1]):
+                return seen
+
+
+def test_a_session_lexicon_respells_split_text_as_the_whole_respelled_text(server):
+    async def go():
+        async with client(server) as voxgate:
+            started = await voxgate.start(lexicon=RULES, timestamps="word", sampling={"seed": 11},
+                                          text={"buffering": "none"})
+            assert started["lexicon"] == {"name": None, "rules": 2}
+            split = await voxgate.speak("split", SPLIT)
+            whole = await voxgate.speak("whole", [RESPELLED])
+        words = [w for e in split.events if e["type"] == "timestamps" for w in e["words"]]
+        assert words == RESPELLED.split()  # the words the model was given
+        audio = pcm_from_frames(split.frames)
+        assert len(audio) and (audio == pcm_from_frames(whole.frames)).all()
+    asyncio.run(go())
+
+
+def test_named_lexicons_over_http_and_by_name_on_a_context(server):
+    assert server.post("/v1/lexicons", {"name": "places", "rules": RULES})[0] == 401  # the key is needed
+    status, _, body = server.post("/v1/lexicons", {"name": "places", "rules": RULES}, token=KEY)
+    assert status == 201 and json.loads(body) == {"name": "places", "rules": RULES}
+    assert server.post("/v1/lexicons", {"name": "places", "rules": RULES}, token=KEY)[0] == 200  # replaced
+    status, body = server.get("/v1/lexicons", KEY)
+    assert status == 200 and {"name": "places", "rules": 2} in json.loads(body)["lexicons"]
+    assert json.loads(server.get("/v1/lexicons/places", KEY)[1])["rules"] == RULES
+
+    async def go():
+        async with client(server) as voxgate:
+            await voxgate.start(timestamps="word", sampling={"seed": 5})
+            await voxgate.append("named", SPLIT[0], lexicon="places")  # a context's own lexicon, by name
+            named = await voxgate.speak("named", SPLIT[1:])
+            plain = await voxgate.speak("plain", ["".join(SPLIT)])  # no lexicon: the client's words
+        words = [w for e in named.events if e["type"] == "timestamps" for w in e["words"]]
+        assert words == RESPELLED.split()
+        assert [w for e in plain.events if e["type"] == "timestamps" for w in e["words"]] == "".join(SPLIT).split()
+    asyncio.run(go())
+
+    assert delete(server, "/v1/lexicons/places") == (200, {"name": "places", "deleted": True})
+    status, body = server.get("/v1/lexicons/places", KEY)
+    assert status == 404 and json.loads(body)["error"]["code"] == "lexicon_not_found"
+    assert delete(server, "/v1/lexicons/places")[0] == 404
+
+
+def delete(server, path: str) -> tuple[int, dict]:
+    request = urllib.request.Request(server.http + path, method="DELETE", headers={"Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as failure:
+        return failure.code, json.loads(failure.read())
+
+
+def speech(server, **fields) -> tuple[int, bytes]:
+    status, _, body = server.post("/v1/audio/speech", {"response_format": "pcm", "stream": False, "seed": 3,
+                                                       **fields}, token=KEY)
+    return status, body
+
+
+def test_the_speech_endpoint_takes_a_lexicon_inline_or_by_name(server):
+    status, respelled = speech(server, input="Fly to nassa.")
+    assert status == 200 and respelled
+    assert speech(server, input="Fly to NASA.", lexicon=RULES) == (200, respelled)
+    assert server.post("/v1/lexicons", {"name": "space", "rules": RULES}, token=KEY)[0] in (200, 201)
+    assert speech(server, input="Fly to NASA.", lexicon="space") == (200, respelled)
+    assert speech(server, input="Fly to NASA.")[1] != respelled  # without it, the client's word
+    for bad, says in ((["NASA"], "rule 0 must be an object"), ("nowhere", "no lexicon named 'nowhere'"),
+                      (7, "a list of rules"), ([{"term": "", "replacement": "x"}], "the term is empty")):
+        status, body = speech(server, input="Fly to NASA.", lexicon=bad)
+        error = json.loads(body)["error"]
+        assert status == 400 and error["code"] == "invalid_message" and says in error["message"], error
+
+
+def test_bad_lexicons_on_the_socket_get_their_error_and_create_nothing(server):
+    async def go():
+        ws = await raw(server)
+        await ws.send(json.dumps({"type": "session.start", "lexicon": "nowhere", "event_id": "s"}))
+        error, started = await until(ws, lambda e: e["type"] == "session.started")
+        assert error["code"] == "invalid_config" and "no lexicon named" in error["message"]
+        assert "lexicon" not in started and error["event_id"] == "s"  # none: the field is left out
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hi.",
+                                  "lexicon": [{"term": "hi", "replacement": "x"}] * 2}))
+        (error,) = await until(ws, lambda e: e["type"] == "error")
+        assert error["code"] == "invalid_message" and error["context_id"] == "c" and "repeats" in error["message"]
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hi.", "lexicon": 5}))
+        (error,) = await until(ws, lambda e: e["type"] == "error")
+        assert error["code"] == "invalid_message" and "lexicon" in error["message"]
+        await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
+        (error,) = await until(ws, lambda e: e["type"] == "error")
+        assert error["code"] == "context_not_found"  # no context was created
+        await ws.close()
+    asyncio.run(go())
+
+
+HOSTILE_LEXICONS = st.one_of(
+    st.text(max_size=70), st.integers(-2**63, 2**63), st.floats(allow_nan=False, allow_infinity=False), st.booleans(),
+    st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
+    st.lists(st.one_of(st.text(max_size=4), st.integers(-9, 9), st.none(),
+                       st.fixed_dictionaries({"term": st.sampled_from(["", " ", "x" * 101]),
+                                              "replacement": st.text(max_size=3)}),
+                       st.fixed_dictionaries({"term": st.text(max_size=3)})), min_size=0, max_size=4))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(HOSTILE_LEXICONS)
+def test_hostile_lexicons_are_refused_and_the_session_goes_on(server, lexicon):
+    async def go():
+        ws = await raw(server)
+        await ws.send(json.dumps({"type": "session.start", "lexicon": lexicon}))
+        events = await until(ws, lambda e: e["type"] == "session.started")
+        assert [e["code"] for e in events if e["type"] == "error"] == ["invalid_config"]
+        await ws.send(json.dumps({"type": "ping", "id": 1}))
+        assert (await until(ws, lambda e: e["type"] == "pong"))[-1]["id"] == 1
+        await ws.close()
+    asyncio.run(go())

@@ -1,0 +1,157 @@
+"""Pronunciation lexicons alone: literal terms on word boundaries, case-insensitive, longest first; streamed text
+rewritten exactly as the whole text, however it was split; bounds and bad rules refused by name; the named store."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from realtime.lexicon import (
+    MAX_LEXICON_CHARS,
+    MAX_REPLACEMENT_CHARS,
+    MAX_RULES,
+    MAX_TERM_CHARS,
+    LexiconError,
+    LexiconNotFound,
+    LexiconStore,
+    LexiconStream,
+    StoreFull,
+    parse_rules,
+)
+
+
+def lexicon(**rules: str):
+    return parse_rules([{"term": term.replace("_", " "), "replacement": said} for term, said in rules.items()])
+
+
+def streamed(lx, pieces: list[str]) -> str:
+    stream = LexiconStream(lx)
+    return "".join(stream.append(piece) for piece in pieces) + stream.finish()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("NASA nasa Nasa.", "nassa nassa nassa."),
+    ("NASAs xNASA NASA_1 NASA2", "NASAs xNASA NASA_1 NASA2"),  # never part of a word
+    ("(NASA), \"NASA\"; NASA!", "(nassa), \"nassa\"; nassa!"),  # punctuation is a boundary
+    ("**NASA**", "**nassa**"),
+])
+def test_terms_match_whole_words_whatever_their_case(text, expected):
+    assert lexicon(NASA="nassa").apply(text) == expected
+
+
+def test_the_longest_term_at_a_position_wins_and_matches_never_overlap():
+    lx = lexicon(New_York="Noo York", New_York_City="En Why See", York_City="Yorkie")
+    assert lx.apply("New York City, new york, York City") == "En Why See, Noo York, Yorkie"
+    assert lx.apply("New York Citys") == "Noo York Citys"  # the longer one would end inside a word
+    assert lexicon(a="b", b="c").apply("a b") == "b c"  # a replacement is not matched again
+
+
+def test_terms_with_punctuation_at_their_edges_and_whitespace_inside():
+    lx = lexicon(**{"Dr.": "Doctor", "C++": "see plus plus", "New_York": "Noo York"})
+    assert lx.apply("Dr. No likes C++, not C") == "Doctor No likes see plus plus, not C"
+    assert lx.apply("New\nYork and New  York") == "Noo York and New  York"  # a space matches one whitespace
+
+
+PIECES = st.lists(st.integers(min_value=1, max_value=12), max_size=30)
+WORDS = st.sampled_from(["nasa", "NASA", "new", "York", "city", "c++", "Dr.", "a", "x", "ñandú", "Straße",
+                         "İstanbul", "你好", " ", "  ", ",", ".", "\n", "_", "!"])
+TEXTS = st.lists(WORDS, max_size=40).map("".join) | st.text(alphabet="nasNASyorkYORK cC+.ñ_\n", max_size=60)
+LEXICON = lexicon(NASA="nassa", New_York="Noo York", New_York_City="En Why See", York_City="Yorkie",
+                  **{"c++": "see plus plus", "Dr.": "Doctor", "a": "ay", "straße": "strasse", "你好": "ni hao"})
+
+
+@settings(max_examples=400, deadline=None)
+@given(TEXTS, PIECES)
+def test_streamed_text_is_rewritten_as_the_whole_text_however_it_is_split(text, sizes):
+    cuts, at = [], 0
+    for size in sizes:
+        cuts.append(text[at:at + size])
+        at += size
+    cuts.append(text[at:])
+    assert streamed(LEXICON, cuts) == LEXICON.apply(text)
+    assert streamed(LEXICON, list(text)) == LEXICON.apply(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(TEXTS)
+def test_held_text_is_never_more_than_a_term(text):
+    stream = LexiconStream(LEXICON)
+    for ch in text:
+        stream.append(ch)
+        assert len(stream._held) <= MAX_TERM_CHARS
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.fixed_dictionaries({"term": st.text(max_size=8), "replacement": st.text(max_size=8)}),
+                max_size=8),
+       st.text(max_size=40), PIECES)
+def test_random_rules_either_refused_by_name_or_split_invariant(rules, text, sizes):
+    try:
+        lx = parse_rules(rules)
+    except LexiconError as failure:
+        assert str(failure)
+        return
+    pieces, at = [], 0
+    for size in sizes:
+        pieces.append(text[at:at + size])
+        at += size
+    pieces.append(text[at:])
+    assert streamed(lx, pieces) == lx.apply(text)
+
+
+HOSTILE = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=20),
+                    st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3),
+                    st.lists(st.one_of(st.integers(), st.text(max_size=5), st.none(),
+                                       st.fixed_dictionaries({"term": st.integers()}),
+                                       st.fixed_dictionaries({"term": st.just(""), "replacement": st.text()})),
+                             min_size=1, max_size=5))
+
+
+@settings(max_examples=300, deadline=None)
+@given(HOSTILE)
+def test_hostile_rules_get_a_lexicon_error(value):
+    with pytest.raises(LexiconError):
+        parse_rules(value)
+
+
+@pytest.mark.parametrize("rules, says", [
+    ([], "at least one rule"),
+    ([{"term": "  ", "replacement": "x"}], "rule 0: the term is empty"),
+    ([{"term": "x" * (MAX_TERM_CHARS + 1), "replacement": "x"}], f"at most {MAX_TERM_CHARS} characters"),
+    ([{"term": "x", "replacement": "y" * (MAX_REPLACEMENT_CHARS + 1)}], f"at most {MAX_REPLACEMENT_CHARS}"),
+    ([{"term": "NASA", "replacement": "a"}, {"term": "nasa", "replacement": "b"}], "rule 1: term 'nasa' repeats"),
+    ([{"term": "x"}], "rule 0: term and replacement must both be strings"),
+    ([{"term": f"t{i}", "replacement": ""} for i in range(MAX_RULES + 1)], f"at most {MAX_RULES} rules"),
+    ([{"term": f"{i:05d}" + "t" * 90, "replacement": "r" * 150} for i in range(250)], str(MAX_LEXICON_CHARS)),
+    ("NASA", "a list of rules"),
+])
+def test_bad_lexicons_are_refused_by_name(rules, says):
+    with pytest.raises(LexiconError, match=None) as refused:
+        parse_rules(rules)
+    assert says in str(refused.value)
+
+
+def test_matching_cost_stays_linear_for_a_hostile_lexicon():
+    lx = parse_rules([{"term": "a " * i + "b", "replacement": "x"} for i in range(1, 49)])
+    text = "a " * 20000  # every position starts a long partial match that never completes
+    assert lx.apply(text) == text  # a pattern matcher with backtracking would take quadratic time here
+
+
+def test_the_store_names_bounds_replaces_and_deletes():
+    store = LexiconStore(capacity=2)
+    first, created = store.put("medical", [{"term": "mg", "replacement": "milligrams"}])
+    assert created and first.name == "medical" and store.get("medical") is first
+    _, created = store.put("medical", [{"term": "ml", "replacement": "millilitres"}])
+    assert not created and store.get("medical").apply("5 ml") == "5 millilitres"
+    store.put("brands", [{"term": "Nike", "replacement": "nai-key"}])
+    with pytest.raises(StoreFull):
+        store.put("third", [{"term": "x", "replacement": "y"}])
+    for bad in ("", "has space", "-dash", "x" * 65, 7, None, "../etc"):
+        with pytest.raises(LexiconError, match="name"):
+            store.put(bad, [{"term": "x", "replacement": "y"}])
+    assert store.resolve("brands").apply("Nike") == "nai-key"
+    assert store.resolve([{"term": "a", "replacement": "b"}]).name is None
+    store.delete("brands")
+    assert store.names() == ["medical"]
+    with pytest.raises(LexiconNotFound):
+        store.resolve("brands")
