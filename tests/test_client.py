@@ -1,13 +1,14 @@
-"""The Python client (realtime/client.py) against a real voxgate server (tiny model, CPU)."""
+"""The Python client (clients/python: voxgate_client.client) against a real voxgate server (tiny model, CPU)."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from realtime.client import AudioFrame, VoxgateClient, VoxgateRefused, decode_opus
 from realtime.gateway import Limits
 from tests.gateway_server import running_server
+from voxgate_client.client import AudioFrame, VoxgateClient, decode_opus
+from voxgate_client.protocol import VoxgateRefused
 
 PIECES = ["Hel", "lo the", "re, how ", "are you", " today?"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 
-from realtime.client import VoxgateClient, context_audio
 from tests.gateway_server import running_server
+from voxgate_client.client import VoxgateClient, context_audio
 
 ROOT = Path(__file__).resolve().parents[1]
 
