@@ -4,6 +4,7 @@ come out as Pipecat's word frames, an interruption leaves no audio after it, and
 from __future__ import annotations
 
 import asyncio
+import json
 import unicodedata
 from typing import Any
 
@@ -22,10 +23,12 @@ from pipecat.frames.frames import (
     TTSStartedFrame,
     TTSStoppedFrame,
     TTSTextFrame,
+    TTSUpdateSettingsFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode
 from pipecat.workers.runner import WorkerRunner
 
@@ -105,10 +108,10 @@ class Run:
         return [f for f in self.recorder.frames if isinstance(f, kind)]
 
 
-async def reference_pcm(server, pieces: list[str], sample_rate: int, flush: bool) -> bytes:
+async def reference_pcm(server, pieces: list[str], sample_rate: int, flush: bool, voice: str | None = None) -> bytes:
     """The same text, voice and seed through the plain client: the audio the plugin must have passed on."""
     async with VoxgateClient.connect(server.ws, encoding="pcm_s16le", sample_rate=sample_rate) as client:
-        await client.start(sampling=SEED)
+        await client.start(sampling=SEED, voice=voice)
         result = await client.speak("reference", pieces, flush=flush)
     assert result.done is not None and not result.errors
     return b"".join(f.payload for f in result.frames)
@@ -167,6 +170,25 @@ def test_token_streaming_sends_tokens_verbatim_and_ends_the_turn(server):
     pcm = b"".join(f.audio for f in run.of(TTSAudioRawFrame))
     assert done["type"] == "context.done" and pcm == reference
     assert {f.sample_rate for f in run.of(TTSAudioRawFrame)} == {24000}
+
+
+def test_a_voice_update_speaks_from_the_next_turn(server):
+    voices = json.loads(server.get("/v1/voices")[1])
+    other = next(v["id"] for v in voices["voices"] if v["id"] != voices["default"])
+
+    async def go():
+        tts = VoxgateTTSService(url=server.ws, sampling=SEED)
+        async with Run(tts, 24000) as run:
+            await run.turn("First turn.")
+            await asyncio.wait_for(run.until_finished(1), 60)
+            await run.worker.queue_frame(TTSUpdateSettingsFrame(delta=TTSSettings(voice=other)))
+            await run.turn("Second turn.")
+            await asyncio.wait_for(run.until_finished(2), 60)
+        return run, await reference_pcm(server, ["Second turn."], 24000, flush=True, voice=other)
+
+    run, reference = asyncio.run(go())
+    second = list(run.finished)[1]
+    assert b"".join(f.audio for f in run.of(TTSAudioRawFrame) if f.context_id == second) == reference
 
 
 def test_an_interruption_cancels_the_context_and_no_audio_follows_it(server):

@@ -10,6 +10,8 @@ How Pipecat's notions map onto the protocol:
 - an interruption is `context.cancel`: the server sends no audio for the context after its ack, and audio already
   on the way is dropped here, since Pipecat forgets the context's audio at once;
 - the server's word `timestamps` become Pipecat's word timestamps (TTSTextFrames in time with the audio);
+- the voice, language and instructions go with each context's first append, so a settings update speaks from the
+  next turn on;
 - audio is PCM at the pipeline's output rate (asked of the server, no resampling); a `keepalive` goes out four
   times per idle timeout, so a quiet pipeline keeps its socket.
 
@@ -110,10 +112,10 @@ class VoxgateTTSService(WebsocketTTSService):
         await self._call_event_handler("on_connected")
 
     def _session_fields(self) -> dict[str, Any]:
-        """What `session.start` asks for: PCM at the pipeline's rate, word timestamps, the voice."""
+        """What `session.start` asks for: PCM at the pipeline's rate, word timestamps, the voice (checked by the
+        server here, so that a voice it does not have fails the connection, not the first turn)."""
         return {"audio": {"encoding": "pcm_s16le", "sample_rate": self.sample_rate}, "timestamps": "word",
-                "voice": self._settings.voice, "language": self._settings.language,
-                "instructions": self._instructions, "sampling": self._sampling}
+                "sampling": self._sampling, **self._voice_fields()}
 
     async def _disconnect_websocket(self) -> None:
         try:
@@ -139,9 +141,10 @@ class VoxgateTTSService(WebsocketTTSService):
         if not self._websocket or self._websocket.state is State.CLOSED:
             await self._connect()
         sent = self._open_contexts.get(context_id)
+        first = self._voice_fields() if sent is None else {}
         try:
             await self._send("text.append", context_id=context_id, text=self._joined(sent, text),
-                             flush=None if self._is_streaming_tokens else True)
+                             flush=None if self._is_streaming_tokens else True, **first)
         except Exception as failure:
             yield TTSStoppedFrame(context_id=context_id)
             yield ErrorFrame(error=f"voxgate: sending text failed: {failure}")
@@ -149,6 +152,12 @@ class VoxgateTTSService(WebsocketTTSService):
         self._open_contexts[context_id] = (sent or "") + text
         await self.start_tts_usage_metrics(text)
         yield None
+
+    def _voice_fields(self) -> dict[str, Any]:
+        """A context's first append carries the voice as the settings have it now, so that a settings update
+        (`TTSUpdateSettingsFrame`) speaks from the next turn on."""
+        return {"voice": self._settings.voice, "language": self._settings.language,
+                "instructions": self._instructions}
 
     def _joined(self, sent: str | None, text: str) -> str:
         return text if self._is_streaming_tokens else join_sentence(sent or "", text)
