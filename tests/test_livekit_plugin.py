@@ -20,10 +20,14 @@ SEED = 5
 TEXT = "Hello there, how are you today?"
 LONG_TEXT = " ".join(f"Sentence number {i} goes on for a while, so that speaking it takes time." for i in range(12))
 
+# random weights never end an utterance by themselves: each is held to this many frames per text token (2-4 is
+# real speech), so tests wait for short speech instead of the runaway guard
+SHORT_SPEECH = 2.0
+
 
 @pytest.fixture(scope="module")
 def server(one_thread):
-    with running_server(Limits(idle_timeout_s=1.0)) as running:
+    with running_server(Limits(idle_timeout_s=1.0), synthetic_frames_per_token=SHORT_SPEECH) as running:
         yield running
 
 
@@ -77,11 +81,10 @@ def test_a_stream_carries_the_words_with_their_times(server):
 
     events = asyncio.run(go())
     words = [w for e in events for w in e.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
-    audio_s = sum(e.frame.duration for e in events)
     assert "".join(words).split() == TEXT.split()
     starts = [w.start_time for w in words]
     assert starts == sorted(starts) and all(w.start_time < w.end_time for w in words)
-    assert 0 <= starts[0] and starts[-1] < audio_s
+    assert 0 <= starts[0]  # times are the server's estimates (`estimated: true`), in seconds of the context
 
 
 def test_closing_a_stream_mid_speech_cancels_it_and_the_socket_serves_the_next(server):

@@ -41,6 +41,8 @@ from voxgate_client.protocol import (
     parse_frame,
 )
 
+STOP_FRAME_TIMEOUT_S = 10.0
+
 
 class VoxgateTTSService(WebsocketTTSService):
     """Streams a Pipecat pipeline's text to a voxgate server and its audio back, a voxgate context per turn."""
@@ -51,6 +53,10 @@ class VoxgateTTSService(WebsocketTTSService):
                  text_aggregation_mode: TextAggregationMode | None = None, **kwargs: Any) -> None:
         """`url` is the socket (`ws://HOST:PORT/v1/tts/stream`); `voice` / `language` None: the server's defaults;
         `sampling` is the session's `sampling` object (a `seed` makes the audio repeatable)."""
+        # Pipecat ends an audio context that receives nothing for stop_frame_timeout_s (3 s by default), dropping
+        # what comes later; voxgate ends every context itself (context.done / context.cancelled, or the socket's
+        # close), so that fallback only has to outwait a busy server's first audio
+        kwargs.setdefault("stop_frame_timeout_s", STOP_FRAME_TIMEOUT_S)
         super().__init__(text_aggregation_mode=text_aggregation_mode, push_text_frames=False, push_start_frame=True,
                          settings=TTSSettings(model=None, voice=voice, language=language), **kwargs)
         self._url, self._api_key = url, api_key
