@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 import numpy as np
 import pytest
-from livekit.agents import APIStatusError
+from livekit.agents import APIError, APIStatusError
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT, APIConnectOptions
 
 from realtime.gateway import Limits
@@ -165,3 +165,17 @@ def test_synthesize_passes_the_servers_error_on(server):
 def test_a_rate_the_server_does_not_send_is_refused():
     with pytest.raises(ValueError, match="not 11025"):
         TTS(base_url="http://127.0.0.1:1", sample_rate=11025)
+
+
+def test_text_the_server_refuses_fails_the_stream_with_its_code(server):
+    """A lone surrogate (broken LLM output) is refused on the context's first append: no context, a specific error."""
+    async def go():
+        async with TTS(base_url=server.http) as voxgate:
+            stream = voxgate.stream(conn_options=APIConnectOptions(max_retry=0))
+            stream.push_text("Broken \ud800 text.")
+            stream.end_input()
+            return [event async for event in stream]
+
+    with pytest.raises(APIError) as failure:
+        asyncio.run(go())
+    assert failure.value.body["code"] == "invalid_message" and not failure.value.retryable

@@ -249,6 +249,26 @@ def test_a_voice_the_server_refuses_is_a_connection_error(server):
     assert error.startswith("invalid_config:") and "no-such-voice" in error
 
 
+def test_text_the_server_refuses_ends_its_turn_with_the_code_and_the_next_turn_speaks(server):
+    """A lone surrogate (broken LLM output) is refused on the turn's first append: the error names its code, the
+    turn's audio context ends, and the service goes on."""
+    async def go():
+        tts = VoxgateTTSService(url=server.ws)
+        errors = []
+        tts.add_event_handler("on_error", lambda _, frame: errors.append(frame.error))
+        async with Run(tts, 24000) as run:
+            await run.worker.queue_frame(TTSSpeakFrame("Broken \ud800 text."))
+            await run.turn("Fine text.")
+            await asyncio.wait_for(run.until_finished(1), 60)
+        return run, errors
+
+    run, errors = asyncio.run(go())
+    assert any(error.startswith("voxgate error invalid_message") for error in errors), errors
+    (context_id, done), = run.finished.items()
+    assert done["type"] == "context.done" and {f.context_id for f in run.of(TTSAudioRawFrame)} == {context_id}
+    assert len(run.of(TTSStoppedFrame)) == 2  # the refused turn's and the spoken one's
+
+
 def test_a_rate_the_server_does_not_send_is_refused_before_connecting(server):
     """Pipecat turns a failed setup into an unusable service and an error naming the cause."""
     async def go():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from voxgate_client.protocol import (
     parse_frame,
 )
 
+logger = logging.getLogger(__name__)
 HTTP_PCM_RATE = 24000  # POST /v1/audio/speech sends pcm as s16le at the model's rate
 POOL_SESSION_S = 300.0  # LiveKit's pooled sockets live this long after their last use
 CANCEL_ACK_TIMEOUT_S = 5.0  # a socket whose cancel is not acked by then is closed, not pooled
@@ -163,7 +165,8 @@ class ChunkedStream(tts.ChunkedStream):
 
 class SynthesizeStream(tts.SynthesizeStream):
     """One voxgate context on a pooled socket; `closing_event` is the server's `context.done` or
-    `context.cancelled` once it came."""
+    `context.cancelled` once it came. Its messages carry the context id as `event_id`, so that an error for a
+    message the server could not even read (no `context_id` in it) is still known as this stream's."""
 
     def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
         super().__init__(tts=tts, conn_options=conn_options)
@@ -181,8 +184,8 @@ class SynthesizeStream(tts.SynthesizeStream):
         try:
             output_emitter.start_segment(segment_id=context_id)
             voice = self._tts.voice
-            await connection.send("text.append", context_id=context_id, text=text, voice=voice.voice,
-                                  language=voice.language, instructions=voice.instructions)
+            await connection.send("text.append", context_id=context_id, event_id=context_id, text=text,
+                                  voice=voice.voice, language=voice.language, instructions=voice.instructions)
             self._mark_started()
             await _both(self._send_rest(connection, context_id), self._receive(connection, context_id,
                                                                                output_emitter))
@@ -205,8 +208,8 @@ class SynthesizeStream(tts.SynthesizeStream):
         async for data in self._input_ch:
             if isinstance(data, self._FlushSentinel):
                 break
-            await connection.send("text.append", context_id=context_id, text=data)
-        await connection.send("context.end", context_id=context_id)
+            await connection.send("text.append", context_id=context_id, event_id=context_id, text=data)
+        await connection.send("context.end", context_id=context_id, event_id=context_id)
 
     async def _receive(self, connection: Connection, context_id: str, output_emitter: tts.AudioEmitter) -> None:
         stream_id = None
@@ -218,7 +221,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                         output_emitter.push(payload)
                     continue
                 event = json.loads(data)
-                if event.get("context_id") != context_id:
+                if context_id not in (event.get("context_id"), event.get("event_id")):
                     continue  # a session-wide event, or a late one of an earlier stream's context
                 kind = event.get("type")
                 if kind == "context.started":
@@ -234,6 +237,8 @@ class SynthesizeStream(tts.SynthesizeStream):
                 elif kind == "error" and (event.get("fatal") or stream_id is None):
                     raise APIError(f"voxgate {event.get('code')}: {event.get('message')}", body=event,
                                    retryable=False)
+                elif kind in ("error", "warning"):  # the context goes on (a dropped append, a slow consumer)
+                    logger.warning("voxgate %s %s: %s", kind, event.get("code"), event.get("message"))
         except ConnectionClosed as closed:
             raise APIConnectionError(f"voxgate closed the socket ({closed})") from closed
         raise APIConnectionError("voxgate closed the socket before the context was done")

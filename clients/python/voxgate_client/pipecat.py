@@ -30,6 +30,7 @@ from pipecat.processors.frame_processor import FrameProcessorSetup
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, WebsocketTTSService
 from pipecat.transcriptions.language import Language
+from websockets.asyncio.client import ClientConnection
 from websockets.protocol import State
 
 from voxgate_client.protocol import (
@@ -149,7 +150,7 @@ class VoxgateTTSService(WebsocketTTSService):
         sent = self._open_contexts.get(context_id)
         first = self._voice_fields() if sent is None else {}
         try:
-            await self._send("text.append", context_id=context_id, text=self._joined(sent, text),
+            await self._send("text.append", context_id=context_id, event_id=context_id, text=self._joined(sent, text),
                              flush=None if self._is_streaming_tokens else True, **first)
         except Exception as failure:
             yield TTSStoppedFrame(context_id=context_id)
@@ -192,7 +193,7 @@ class VoxgateTTSService(WebsocketTTSService):
             else:
                 await self._on_event(json.loads(data))
 
-    def _get_websocket(self):
+    def _get_websocket(self) -> ClientConnection:
         if self._websocket:
             return self._websocket
         raise ConnectionError("the voxgate socket is not connected")
@@ -220,8 +221,9 @@ class VoxgateTTSService(WebsocketTTSService):
             logger.warning(f"{self}: voxgate warning {event.get('code')}: {event.get('message')}")
 
     async def _on_error(self, event: dict[str, Any]) -> None:
-        """Errors go up the pipeline; one that kept a turn's context from opening ends that turn's audio."""
-        context_id = event.get("context_id")
+        """Errors go up the pipeline; one that kept a turn's context from opening ends that turn's audio. Appends
+        carry the context id as `event_id`: an append the server could not read is still known as the turn's."""
+        context_id = event.get("context_id") or event.get("event_id")
         await self.push_error(error_msg=f"voxgate error {event.get('code')}: {event.get('message')}")
         if context_id and context_id not in self._started_contexts:
             self._open_contexts.pop(context_id, None)
