@@ -11,7 +11,7 @@ import sys
 
 import soundfile as sf
 
-from realtime.client import VoxgateClient, context_audio
+from voxgate_client.client import VoxgateClient, context_audio
 
 
 async def main(url: str, out: str) -> None:

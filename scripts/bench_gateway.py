@@ -43,7 +43,7 @@ from websockets.exceptions import ConnectionClosed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.simulator import llm_token_times, poisson_times  # noqa: E402
-from realtime.client import ContextResult, ServerError, VoxgateClient, context_audio  # noqa: E402
+from voxgate_client.client import ContextResult, ServerError, VoxgateClient, context_audio  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while music plays softly in the old town hall tonight "
          "and everyone listens to the story about rivers mountains and distant cities").split()

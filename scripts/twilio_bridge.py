@@ -28,7 +28,7 @@ from websockets.exceptions import ConnectionClosed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from realtime.client import AudioFrame, ServerError, VoxgateClient  # noqa: E402
+from voxgate_client.client import AudioFrame, ServerError, VoxgateClient  # noqa: E402
 
 log = logging.getLogger("twilio_bridge")
 TextSource = Callable[[], AsyncIterator[str]]  # called once per call; yields the text to speak, piece by piece

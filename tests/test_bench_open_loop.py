@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.core.simulator import poisson_times
-from realtime.client import AudioFrame, ContextResult
 from scripts.bench_gateway import PROMPTS, audible_onset, context_chunks, load_prompts, nearest_rank, playback
 from scripts.make_prompts import count_words, prompts
 from tests.server_process import ROOT, server_process
+from voxgate_client.client import AudioFrame, ContextResult
 
 
 def test_poisson_arrivals_have_the_asked_rate_and_exponential_gaps():

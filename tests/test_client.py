@@ -1,13 +1,15 @@
-"""The Python client (realtime/client.py) against a real voxgate server (tiny model, CPU)."""
+"""The Python client (clients/python: voxgate_client.client) against a real voxgate server (tiny model, CPU)."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from websockets.asyncio.client import connect as ws_connect
 
-from realtime.client import AudioFrame, VoxgateClient, VoxgateRefused, decode_opus
 from realtime.gateway import Limits
 from tests.gateway_server import running_server
+from voxgate_client.client import AudioFrame, VoxgateClient, decode_opus
+from voxgate_client.protocol import ServerError, VoxgateRefused, auth_headers, handshake
 
 PIECES = ["Hel", "lo the", "re, how ", "are you", " today?"]
 
@@ -115,3 +117,19 @@ def test_a_wrong_api_key_is_refused_with_4001(server, credentials):
     with pytest.raises(VoxgateRefused) as refused:
         run(go())
     assert refused.value.code == "unauthorized" and refused.value.close_code == 4001
+
+
+def test_handshake_waits_for_the_session_started_that_answers_its_session_start(server):
+    """The server's first session.started carries the defaults (opus); the plugins need the second one, and a
+    field the server refuses must stop them rather than leave them at a rate they did not ask for."""
+    async def go():
+        async with ws_connect(server.ws, additional_headers=auth_headers("k1")) as ws:
+            started = await handshake(ws, audio={"encoding": "pcm_s16le", "sample_rate": 16000}, timestamps="word")
+        async with ws_connect(server.ws, additional_headers=auth_headers("k1")) as ws:
+            with pytest.raises(ServerError) as refused:
+                await handshake(ws, audio={"encoding": "pcm_s16le", "sample_rate": 11025})
+        return started, refused.value
+
+    started, refused = run(go())
+    assert started["audio"]["encoding"] == "pcm_s16le" and started["audio"]["sample_rate"] == 16000
+    assert started["timestamps"] == "word" and refused.code == "unsupported_format"

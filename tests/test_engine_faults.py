@@ -20,7 +20,6 @@ from engine.sampling import SamplingParams
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel, VoiceRequest
-from realtime.client import VoxgateClient
 from realtime.gateway import Gateway, GatewayOptions
 from realtime.ws.speech_context import ContextEnd, ContextText
 from tests import faults
@@ -28,6 +27,7 @@ from tests.faults import inject_faults
 from tests.gateway_server import running_server
 from tests.test_engine_process import wait_for_ready
 from tests.test_utterances import context_run
+from voxgate_client.client import VoxgateClient
 
 CONFIG = EngineConfig(max_batch=2, capacity=256, max_waiting=1)
 FRONT_ENDS = ["thread", "process"]

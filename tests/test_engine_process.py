@@ -15,10 +15,10 @@ from engine.errors import EmptyText, EngineFailed
 from engine.request import AudioChunk, Finished
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
-from realtime.client import VoxgateClient
 from realtime.gateway import Limits
 from tests.gateway_server import running_server
 from tests.test_async_engine import collect, request
+from voxgate_client.client import VoxgateClient
 
 
 @pytest.fixture(scope="module")

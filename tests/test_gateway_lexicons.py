@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from realtime.client import VoxgateClient, pcm_from_frames
 from realtime.gateway import Limits
 from tests.gateway_server import running_server
+from voxgate_client.client import VoxgateClient, pcm_from_frames
 
 KEY = "lexicon-key"
 RULES = [{"term": "NASA", "replacement": "nassa"}, {"term": "New York", "replacement": "Noo Yorck"}]

@@ -21,9 +21,9 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from realtime.audio.formats import CONTENT_TYPES, HTTP_FORMATS, MODEL_SAMPLE_RATE
-from realtime.client import VoxgateClient
 from realtime.gateway import Limits
 from tests.gateway_server import RunningServer, running_server
+from voxgate_client.client import VoxgateClient
 
 LONG_TEXT = "Streaming speech starts playing long before the whole sentence is spoken."
 FRAME_SAMPLES = MODEL_SAMPLE_RATE * 2 // 25  # one 12.5 Hz codec frame

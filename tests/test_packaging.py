@@ -3,6 +3,7 @@ Installed from the wheel (into a venv that borrows this machine's packages, so n
 the demo page and its files."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import venv
@@ -47,3 +48,49 @@ def test_installed_from_the_wheel_the_server_serves_the_demo(wheel, tmp_path):
         page, style = server.get("/"), server.get("/static/style.css")
         assert page[0] == 200 and b"<html" in page[1].lower() and style[0] == 200 and style[1]
         assert "voice-chat demo" in server.log()
+
+
+CLIENT = ROOT / "clients" / "python"
+SERVER_SIDE = ("torch", "engine", "realtime")
+
+
+@pytest.fixture(scope="module")
+def client_wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("client_wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(CLIENT), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(out)], check=True, cwd=out)
+    (built,) = out.glob("voxgate_client-*.whl")
+    return built
+
+
+def test_the_client_wheel_needs_neither_torch_nor_the_server(client_wheel):
+    """An agent app installs the client and a plugin without a GPU stack: its requirements, extras included, name
+    no torch and no voxgate, and the wheel holds the client's modules only."""
+    with zipfile.ZipFile(client_wheel) as wheel:
+        names = set(wheel.namelist())
+        (metadata,) = [wheel.read(name).decode() for name in names if name.endswith(".dist-info/METADATA")]
+    requires = [line.split(":", 1)[1].strip().lower() for line in metadata.splitlines()
+                if line.startswith("Requires-Dist:")]
+    assert sorted(r for r in requires if "extra ==" not in r) == ["numpy", "websockets>=13"]
+    assert {line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Provides-Extra:")} \
+        == {"opus", "pipecat", "livekit"}
+    assert not [r for r in requires if r.startswith(("torch", "voxgate"))]
+    modules = {"voxgate_client/" + path.name for path in (CLIENT / "voxgate_client").glob("*.py")}
+    assert "voxgate_client/pipecat.py" in modules and modules <= names
+    assert not [name for name in names if name.startswith(tuple(package + "/" for package in SERVER_SIDE))]
+
+
+def test_installed_from_its_wheel_the_client_and_plugins_import_without_torch(client_wheel, tmp_path):
+    """torch, engine and realtime made unimportable, the installed client and both plugins still import."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=True)
+    python = env_dir / "bin" / "python"
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # nothing of this checkout
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(client_wheel)], check=True,
+                   cwd=tmp_path, env=env)
+    probe = ("import sys; sys.modules.update(dict.fromkeys(%r)); "
+             "import voxgate_client.client, voxgate_client.protocol, voxgate_client.pipecat, voxgate_client.livekit; "
+             "print(voxgate_client.client.__file__)") % (SERVER_SIDE,)
+    where = subprocess.run([str(python), "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert where.returncode == 0, where.stderr[-3000:]
+    assert where.stdout.strip().startswith(str(env_dir))  # the wheel's copy, not this checkout

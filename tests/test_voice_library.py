@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.checkpoint import checkpoint_fingerprint
-from realtime.client import VoxgateClient
 from realtime.errors import VOICE_LIBRARY_STATUS
 from realtime.gateway import Limits
 from realtime.voice_library import MAX_AUDIO_SECONDS, MIN_AUDIO_SECONDS
 from realtime.voice_store import StoredVoice, VoiceStore, check_data_dir, tensor_bytes, tensor_from_bytes
 from tests.gateway_server import running_server
+from voxgate_client.client import VoxgateClient
 
 RATE = 24000
 TRANSCRIPT = "Hello there, this is my voice."

@@ -1,10 +1,12 @@
-"""An asyncio client for the voxgate.v1 socket (docs/PROTOCOL.md), for tests, the load generator and examples.
+"""An asyncio client for the voxgate.v1 socket (PROTOCOL.md), for applications, the server's tests, its load
+generator and examples.
 
 One reader task owns the socket's receiving side: it stamps each message with its arrival time (so latencies are
 not skewed by whoever consumes them later) and routes it either to the `speak()` call waiting for its context or
 to the shared `events()` stream, so several `speak()` calls can run concurrently on one session.
 
-It imports nothing of the server: an application needs only `websockets` (and numpy / opuslib to decode audio).
+It imports nothing of the server: an application needs only `websockets` and numpy (and opuslib, the `[opus]` extra,
+to decode Opus).
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import base64
 import contextlib
 import itertools
 import json
-import struct
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -25,28 +26,19 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-MAGIC = 0xA1
-FLAG_FIRST, FLAG_LAST, FLAG_DISCONTINUITY = 1, 2, 4
-_HEADER = struct.Struct("<BBHI")
-# session.start errors after which the server still answers with session.started (the other fields applied)
-_CONFIG_ERRORS = frozenset({"invalid_config", "unsupported_format"})
+from voxgate_client.protocol import (
+    CONFIG_ERRORS,
+    FLAG_DISCONTINUITY,
+    FLAG_FIRST,
+    FLAG_LAST,
+    ServerError,
+    auth_headers,
+    client_message,
+    parse_frame,
+    receive_session_started,
+)
+
 _CLOSED = object()  # queued once the socket has closed
-
-
-class ServerError(Exception):
-    """An `error` event the client cannot carry on from (e.g. a refused session.start)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
-
-
-class VoxgateRefused(ServerError):
-    """The server refused the session: one fatal error, then the close (4001 unauthorized, 1013 overloaded)."""
-
-    def __init__(self, code: str, message: str, close_code: int | None) -> None:
-        super().__init__(code, message)
-        self.close_code = close_code
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +78,6 @@ class ContextResult:
         return next((e for e in self.events if e.get("type") == "context.cancelled"), None)
 
 
-def parse_frame(data: bytes) -> tuple[int, int, int, bytes]:
-    """(flags, stream_id, pts, payload) of a binary audio frame."""
-    if len(data) < _HEADER.size:
-        raise ValueError(f"an audio frame of {len(data)} bytes is shorter than its header")
-    magic, flags, stream_id, pts = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise ValueError(f"not a voxgate.v1 audio frame (magic {magic:#x})")
-    return flags, stream_id, pts, data[_HEADER.size:]
-
-
 class VoxgateClient:
     def __init__(self, ws: ClientConnection, session: dict[str, Any]) -> None:
         self.ws = ws
@@ -130,10 +112,9 @@ class VoxgateClient:
         params = {k: v for k, v in {**query, "token": token}.items() if v is not None}
         if params:
             url += ("&" if "?" in url else "?") + urlencode(params)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        ws = await ws_connect(url, additional_headers=headers, compression=None)
+        ws = await ws_connect(url, additional_headers=auth_headers(api_key), compression=None)
         try:
-            first = await _first_message(ws)
+            first = await receive_session_started(ws)
         except BaseException:
             await ws.close()
             raise
@@ -150,7 +131,7 @@ class VoxgateClient:
         await self.ws.send(message)
 
     async def _send(self, type_: str, **fields: Any) -> None:
-        await self.ws.send(json.dumps({"type": type_, **{k: v for k, v in fields.items() if v is not None}}))
+        await self.ws.send(client_message(type_, **fields))
 
     async def start(self, **fields: Any) -> dict[str, Any]:
         """Send session.start and return the session.started that answers it."""
@@ -306,26 +287,9 @@ class VoxgateClient:
         if message.get("type") == "session.started":
             waiter.set_result(message)
             return True
-        if message.get("type") == "error" and message.get("code") not in _CONFIG_ERRORS:
+        if message.get("type") == "error" and message.get("code") not in CONFIG_ERRORS:
             waiter.set_exception(ServerError(message.get("code", ""), message.get("message", "")))
         return False
-
-
-async def _first_message(ws: ClientConnection) -> dict[str, Any]:
-    """The session.started that opens every session, or the refusal that replaces it."""
-    try:
-        message = json.loads(await ws.recv())
-    except ConnectionClosed:
-        raise VoxgateRefused("closed", "the server closed the socket before session.started",
-                             ws.close_code) from None
-    if message.get("type") == "session.started":
-        return message
-    if message.get("type") == "error":
-        with contextlib.suppress(ConnectionClosed):
-            await ws.recv()  # the close that follows a refusal
-        await ws.wait_closed()
-        raise VoxgateRefused(message.get("code", ""), message.get("message", ""), ws.close_code)
-    raise ServerError("invalid_message", f"expected session.started, got {message.get('type')!r}")
 
 
 async def _aiter(pieces: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:

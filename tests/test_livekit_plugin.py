@@ -1,0 +1,181 @@
+"""The LiveKit Agents plugin (voxgate_client.livekit) driven through LiveKit's own `tts.TTS` API against a real server
+(tiny model, CPU): streams and HTTP requests give the server's audio as frames at the TTS's rate, words come with
+their times, closing a stream mid-speech cancels it with no audio after, and pooled sockets outlive the idle timeout."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import numpy as np
+import pytest
+from livekit.agents import APIError, APIStatusError
+from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT, APIConnectOptions
+
+from realtime.gateway import Limits
+from tests.gateway_server import running_server
+from voxgate_client.client import VoxgateClient
+from voxgate_client.livekit import TTS, VoiceOptions
+
+SEED = 5
+TEXT = "Hello there, how are you today?"
+LONG_TEXT = " ".join(f"Sentence number {i} goes on for a while, so that speaking it takes time." for i in range(12))
+
+# random weights never end an utterance by themselves: each is held to this many frames per text token (2-4 is
+# real speech), so tests wait for short speech instead of the runaway guard
+SHORT_SPEECH = 2.0
+
+
+@pytest.fixture(scope="module")
+def server(one_thread):
+    with running_server(Limits(idle_timeout_s=1.0), synthetic_frames_per_token=SHORT_SPEECH) as running:
+        yield running
+
+
+async def reference_pcm(server, text: str, sample_rate: int) -> bytes:
+    """The same text, voice and seed through the plain client: the audio the plugin must pass on."""
+    async with VoxgateClient.connect(server.ws, encoding="pcm_s16le", sample_rate=sample_rate) as client:
+        await client.start(sampling={"seed": SEED})
+        result = await client.speak("reference", [text])
+    assert result.done is not None and not result.errors
+    return b"".join(f.payload for f in result.frames)
+
+
+def speech_pcm(frames, sample_rate: int) -> bytes:
+    """The frames' samples, less the 10 ms of silence LiveKit's emitter adds as a segment's final marker when the
+    last audio had already gone out (a flush for slow generation): that marker is LiveKit's, not the server's."""
+    pcm = b"".join(bytes(f.data) for f in frames)
+    marker = sample_rate // 100
+    if frames[-1].samples_per_channel == marker and not any(bytes(frames[-1].data)):
+        return pcm[:-2 * marker]
+    return pcm
+
+
+def test_a_stream_is_the_servers_audio_at_the_tts_rate(server):
+    async def go():
+        async with TTS(base_url=server.http, voice=VoiceOptions(seed=SEED), sample_rate=16000) as voxgate:
+            stream = voxgate.stream()
+            for token in ["Hello", " there,", " how are", " you today?"]:
+                stream.push_text(token)
+            stream.end_input()
+            events = [event async for event in stream]
+            await stream.aclose()
+        return stream, events, await reference_pcm(server, TEXT, 16000)
+
+    stream, events, reference = asyncio.run(go())
+    frames = [e.frame for e in events]
+    assert {f.sample_rate for f in frames} == {16000} and {f.num_channels for f in frames} == {1}
+    assert stream.closing_event["type"] == "context.done" and events[-1].is_final
+    assert speech_pcm(frames, 16000) == reference
+    assert len(reference) // 2 == round(stream.closing_event["audio_ms"] * 16)
+
+
+def test_a_stream_carries_the_words_with_their_times(server):
+    async def go():
+        async with TTS(base_url=server.http) as voxgate:
+            stream = voxgate.stream()
+            stream.push_text(TEXT)
+            stream.end_input()
+            events = [event async for event in stream]
+            await stream.aclose()
+        return events
+
+    events = asyncio.run(go())
+    words = [w for e in events for w in e.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+    assert "".join(words).split() == TEXT.split()
+    starts = [w.start_time for w in words]
+    assert starts == sorted(starts) and all(w.start_time < w.end_time for w in words)
+    assert 0 <= starts[0]  # times are the server's estimates (`estimated: true`), in seconds of the context
+
+
+def test_closing_a_stream_mid_speech_cancels_it_and_the_socket_serves_the_next(server):
+    async def go():
+        async with TTS(base_url=server.http) as voxgate:
+            stream = voxgate.stream()
+            stream.push_text(LONG_TEXT)
+            stream.end_input()
+            heard = [await anext(stream)]
+            await stream.aclose()  # what LiveKit does on barge-in
+            sessions = server.metric("voxgate_sessions_active")
+            nxt = voxgate.stream()
+            nxt.push_text(TEXT)
+            nxt.end_input()
+            events = [event async for event in nxt]
+            await nxt.aclose()
+        return stream, heard, sessions, nxt, events
+
+    stream, heard, sessions, nxt, events = asyncio.run(go())
+    cancelled = stream.closing_event
+    assert cancelled["type"] == "context.cancelled" and cancelled["reason"] == "client"
+    assert sum(e.frame.samples_per_channel for e in heard) <= round(cancelled["audio_sent_ms"] * 24)
+    assert sessions == 1  # the socket went back to the pool
+    done = nxt.closing_event  # the next stream on it hears its own audio only: nothing of the cancelled context
+    assert done["type"] == "context.done"
+    assert len(speech_pcm([e.frame for e in events], 24000)) // 2 == round(done["audio_ms"] * 24)
+
+
+def test_a_pooled_socket_outlives_the_idle_timeout(server):
+    """The server closes a session idle for 1 s here; the pooled socket's keepalives (every 0.25 s) keep it."""
+    async def go():
+        async with TTS(base_url=server.http) as voxgate:
+            voxgate.prewarm()
+            await asyncio.sleep(2.5)
+            sessions = server.metric("voxgate_sessions_active")
+            stream = voxgate.stream()
+            stream.push_text(TEXT)
+            stream.end_input()
+            events = [event async for event in stream]
+            await stream.aclose()
+        return sessions, stream, events
+
+    sessions, stream, events = asyncio.run(go())
+    assert sessions == 1 and stream.closing_event["type"] == "context.done" and events
+
+
+@pytest.mark.parametrize("sample_rate", [24000, 16000])
+def test_synthesize_is_the_speech_endpoints_pcm(server, sample_rate):
+    async def go():
+        async with aiohttp.ClientSession() as http, TTS(base_url=server.http, http_session=http,
+                                                        voice=VoiceOptions(seed=SEED),
+                                                        sample_rate=sample_rate) as voxgate:
+            frames = [event.frame async for event in voxgate.synthesize(TEXT)]
+        return frames, await reference_pcm(server, TEXT, 24000)
+
+    frames, reference = asyncio.run(go())
+    assert {f.sample_rate for f in frames} == {sample_rate}
+    pcm = speech_pcm(frames, sample_rate)
+    if sample_rate == 24000:
+        assert pcm == reference  # the socket's audio, sample for sample, for the same seed
+    else:  # LiveKit's resampler: the same duration within a few ms of its filter's delay
+        assert abs(len(pcm) / 2 / sample_rate - len(reference) / 2 / 24000) < 0.01
+        assert np.abs(np.frombuffer(pcm, "<i2")).max() > 0
+
+
+def test_synthesize_passes_the_servers_error_on(server):
+    async def go():
+        async with aiohttp.ClientSession() as http, TTS(base_url=server.http, http_session=http,
+                                                        voice=VoiceOptions(voice="no-such-voice")) as voxgate:
+            await voxgate.synthesize(TEXT, conn_options=APIConnectOptions(max_retry=0)).collect()
+
+    with pytest.raises(APIStatusError) as failure:
+        asyncio.run(go())
+    assert failure.value.status_code == 400 and not failure.value.retryable
+    assert failure.value.body["code"] == "unknown_voice"
+
+
+def test_a_rate_the_server_does_not_send_is_refused():
+    with pytest.raises(ValueError, match="not 11025"):
+        TTS(base_url="http://127.0.0.1:1", sample_rate=11025)
+
+
+def test_text_the_server_refuses_fails_the_stream_with_its_code(server):
+    """A lone surrogate (broken LLM output) is refused on the context's first append: no context, a specific error."""
+    async def go():
+        async with TTS(base_url=server.http) as voxgate:
+            stream = voxgate.stream(conn_options=APIConnectOptions(max_retry=0))
+            stream.push_text("Broken \ud800 text.")
+            stream.end_input()
+            return [event async for event in stream]
+
+    with pytest.raises(APIError) as failure:
+        asyncio.run(go())
+    assert failure.value.body["code"] == "invalid_message" and not failure.value.retryable
