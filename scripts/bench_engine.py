@@ -3,13 +3,17 @@
 Parts (all by default): `check` (bf16 agreement with the single-request path), `single` (time to first audio and the
 frame step at batch 1), `scaling` (frame-step time by batch size), `offline` (throughput at large batch), `load`
 (Poisson arrivals: TTFA percentiles and streams that never underrun in a simulated player), `streaming` (concurrent
-sessions whose text arrives like an LLM's, through the real utterance planner and streaming-text requests). Usage:
+sessions whose text arrives like an LLM's, through the real utterance planner and streaming-text requests),
+`decoder` (the codec decoder alone: time per graphed call by batch and chunk length, its arithmetic rate, and its
+agreement with an fp32 decode on the CPU). Usage:
     python scripts/bench_engine.py --size 1b7 --parts check,single,scaling,offline,load --rates 10,20,40
+    python scripts/bench_engine.py --size 1b7 --parts decoder
     python scripts/bench_engine.py --size 1b7 --parts streaming --sessions 10,40 --token-rates 20-80,5-10
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import statistics
@@ -25,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.core.codec_decoding import DecoderPool  # noqa: E402
 from engine.core.engine import Engine, EngineConfig  # noqa: E402
 from engine.core.simulator import llm_token_times  # noqa: E402
 from engine.request import AudioChunk, SynthesisRequest
@@ -37,6 +42,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while music plays softly in 
          "and everyone listens to the story about rivers mountains and distant cities").split()
 SAMPLE_RATE = 24000
 FRAME_S = 0.08
+DECODER_SHAPES = ((1, 1), (1, 4), (64, 4), (128, 4), (256, 1), (256, 4))  # (batch, frames per call)
 
 
 def text_of(seconds: float, rng: random.Random) -> str:
@@ -196,6 +202,35 @@ class Bench:
         wall = time.perf_counter() - start
         return dict(requests=n, batch=self.args.max_batch, audio_s=samples / SAMPLE_RATE, wall_s=wall,
                     audio_s_per_wall_s=samples / SAMPLE_RATE / wall)
+
+    def decoder(self) -> dict:
+        """The codec decoder alone, as the engine runs it (a `DecoderPool` of 256 slots, graphed on a GPU): the time
+        of one call by (batch, frames), with the codes' upload; audio seconds per wall second; TFLOP/s from the
+        FLOPs PyTorch counts for one frame. Then how far its audio is from an fp32 decode on the CPU."""
+        tts = self.tts
+        quantizers, codebook = tts.decoder.cfg.num_quantizers, tts.decoder.cfg.codebook_size
+        pool = DecoderPool(tts.decoder, 256, tts.device, tts.dtype, capture=tts.device.type == "cuda",
+                           chunk_lengths=(1, 4))
+        flops = decoder_flops_per_frame(tts)
+        out: dict = dict(gflop_per_frame=flops / 1e9)
+        generator = torch.Generator().manual_seed(0)
+        for batch, frames in DECODER_SHAPES:
+            codes = torch.randint(0, codebook, (batch, frames, quantizers), generator=generator)
+            slots = list(range(batch))
+            times = []
+            for repeat in range(self.args.repeats + 3):
+                synchronize()
+                start = time.perf_counter()
+                pool.decode(slots, codes)
+                synchronize()
+                if repeat >= 3:  # the first calls warm up
+                    times.append(time.perf_counter() - start)
+            seconds = percentile(times, 50)
+            out[f"{batch}x{frames}"] = dict(ms_per_call=seconds * 1e3,
+                                            audio_s_per_wall_s=batch * frames * FRAME_S / seconds,
+                                            tflop_s=flops * batch * frames / seconds / 1e12)
+        out["agreement"] = decoder_agreement(tts, generator)
+        return out
 
     def load(self, rate: float) -> dict:
         """Poisson arrivals for `duration` s; lengths 2-12 s (mean ~6 s) from a seeded distribution."""
@@ -378,6 +413,55 @@ class StreamingSession:
             return self.next_start
         given = self.context["given"]
         return self.context["times"][given] if given < len(self.context["times"]) else float("inf")
+
+
+def decoder_flops_per_frame(tts: TTSModel) -> float:
+    """FLOPs of one frame of the codec decoder (convolutions and matrix products, as PyTorch counts them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    decoder, frames = tts.decoder, 4
+    codes = torch.zeros(1, frames, decoder.cfg.num_quantizers, dtype=torch.long, device=tts.device)
+    counter = FlopCounterMode(display=False)
+    with torch.inference_mode(), counter:
+        decoder.decode_step(codes, decoder.new_state(1, tts.device, tts.dtype))
+    return counter.get_total_flops() / frames
+
+
+def decoder_agreement(tts: TTSModel, generator: torch.Generator) -> dict:
+    """The decoder's audio for 12 random frames on the device (its fast path: fused SnakeBeta on a GPU), in the model
+    dtype and in fp32, against the fp32 decode on the CPU (the reference arithmetic)."""
+    cfg = tts.decoder.cfg
+    codes = torch.randint(0, cfg.codebook_size, (2, 12, cfg.num_quantizers), generator=generator)
+    with torch.inference_mode():
+        exact = copy.deepcopy(tts.decoder).float().cpu().decode(codes)
+        fp32 = copy.deepcopy(tts.decoder).float().decode(codes.to(tts.device)).cpu()
+        model_dtype = tts.decoder.decode(codes.to(tts.device)).float().cpu()
+    scale = exact.abs().max().item()
+    kernel = snake_kernel_agreement(tts.device) if tts.device.type == "cuda" else {}
+    return kernel | dict(fp32_max_abs_error=(fp32 - exact).abs().max().item(),
+                model_dtype_max_abs_error=(model_dtype - exact).abs().max().item(), audio_peak=scale,
+                model_dtype_snr_db=10 * np.log10((exact ** 2).mean().item() /
+                                                 max(((model_dtype - exact) ** 2).mean().item(), 1e-30)))
+
+
+def snake_kernel_agreement(device: torch.device) -> dict:
+    """The fused SnakeBeta + padding kernel against PyTorch's SnakeBeta and cat on the GPU, on random activations
+    of the decoder's scale: the share of bit-equal values in bf16, the largest difference in fp32."""
+    from engine.kernels.snake import snake_padded
+    from engine.model.codec_decoder import SnakeBeta
+    generator = torch.Generator().manual_seed(1)
+    snake = SnakeBeta(96)
+    snake.alpha.data, snake.beta.data = torch.randn(2, 96, generator=generator) * 0.5
+    x = torch.randn(8, 96, 1920, generator=generator) * 3
+    past = torch.randn(8, 96, 6, generator=generator)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        module, xd, pd = snake.to(device, dtype), x.to(device, dtype), past.to(device, dtype)
+        with torch.inference_mode():
+            fused, expected = snake_padded(xd, module.alpha, module.beta, pd, 6), torch.cat((pd, module(xd)), -1)
+        key = str(dtype).removeprefix("torch.")
+        out[f"snake_kernel_{key}_bit_equal"] = (fused == expected).float().mean().item()
+        out[f"snake_kernel_{key}_max_abs_diff"] = (fused.float() - expected.float()).abs().max().item()
+    return out
 
 
 def _spin() -> None:

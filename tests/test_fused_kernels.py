@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from engine.config import TransformerConfig
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
+from engine.kernels.snake import snake_padded
+from engine.model.codec_decoder import SnakeBeta
 from engine.model.layers import Attention, RMSNorm, RotaryEmbedding, apply_rope
 from engine.sampling import SamplerBatch, choose, draw_counter
 
@@ -95,3 +97,33 @@ def test_fused_sampler_picks_the_ids_of_the_reference_sampler(dtype):
     for group in range(4):
         expected = choose(logits, params, seeds, draw_counter(frames, group))
         assert torch.equal(fused_choose(logits, params, seeds, frames, group), expected)
+
+
+@pytest.mark.parametrize("context, has_past", [(6, True), (54, True), (6, False), (1, True), (0, False)])
+def test_snake_padded_is_snake_beta_after_the_remembered_columns(context, has_past):
+    """fp32 only: in bf16 the chain's five roundings and sin's amplification of a one-ulp change make the
+    interpreter's truncation (the GPU rounds to nearest) differ from PyTorch by far more than the kernel's own error;
+    bf16 is compared bit for bit on the GPU (`scripts/bench_engine.py --parts decoder`)."""
+    generator = torch.Generator().manual_seed(context)
+    snake = SnakeBeta(12)
+    snake.alpha.data = torch.randn(12, generator=generator) * 0.5
+    snake.beta.data = torch.randn(12, generator=generator) * 0.5
+    x = torch.randn(3, 12, 37, generator=generator) * 4
+    past = torch.randn(3, 12, context, generator=generator) if has_past else None
+    fused = snake_padded(x, snake.alpha, snake.beta, past, context)
+    expected = torch.cat((past if has_past else torch.zeros(3, 12, context), snake(x)), dim=-1)
+    assert fused.shape == expected.shape and fused.is_contiguous()
+    if past is not None:
+        assert torch.equal(fused[..., :context], past)
+    torch.testing.assert_close(fused, expected, **tolerance(torch.float32))
+
+
+def test_snake_padded_reads_a_time_slice_of_a_wider_tensor():
+    generator = torch.Generator().manual_seed(3)
+    snake = SnakeBeta(5)
+    snake.alpha.data = torch.randn(5, generator=generator)
+    wide = torch.randn(2, 5, 40, generator=generator)
+    x = wide[..., 3:23]  # a transposed convolution's trimmed output: unit stride in time, longer rows
+    past = torch.randn(2, 5, 4, generator=generator)
+    torch.testing.assert_close(snake_padded(x, snake.alpha, snake.beta, past, 4),
+                               torch.cat((past, snake(x)), dim=-1), **tolerance(torch.float32))

@@ -1,9 +1,10 @@
 """Codec decoding beside the frame step: the CUDA stream the decodes run on, and their audio's way to the host.
 
 On a GPU the decoder's chunks are queued on their own (higher-priority) CUDA stream right after a step's codes are
-known, and the engine launches the next frame step before it waits for them: the decoder, the largest GPU consumer
+known, and the engine launches the next frame step before it looks at them: the decoder, the largest GPU consumer
 at high batch, then runs beside the talker instead of after it. The audio is copied to pinned host memory in the
-same stream and read once its event has fired.
+same stream and read once its event has fired; the engine polls the events, so a step waits for a decode only when
+it is more than a step old (decoding.py).
 
 Without overlap (or on the CPU) the same calls run in order on the current stream. Overlap on the CPU only defers
 the collection by one step, which is how the engine's bookkeeping for it is tested in CI.
@@ -25,6 +26,11 @@ class PendingAudio:
     owners: list[Any]
     audio: torch.Tensor  # [B, samples] float32 on the host, valid once `ready` has fired
     ready: torch.cuda.Event | None
+    step: int = 0  # the `Decoding.queue` call that queued it
+
+    def landed(self) -> bool:
+        """The audio is on the host (polled: never waits)."""
+        return self.ready is None or self.ready.query()
 
     def wait(self) -> np.ndarray:
         if self.ready is not None:

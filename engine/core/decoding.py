@@ -75,7 +75,9 @@ class Decoding:
         self.overlap = DecodeOverlap(device, overlap)
         self.decoders = DecoderPool(decoder, slots, device, dtype, capture=capture,
                                     chunk_lengths=self.chunk_lengths())
-        self.in_flight: list[PendingAudio] = []  # decoded chunks not yet delivered
+        self.in_flight: list[PendingAudio] = []  # decoded chunks not yet delivered, in the order queued
+        self.finishing: list[Sequence] = []  # ended requests whose Finished waits for their audio in flight
+        self.queued_steps = 0  # `queue` calls so far: the `step` of the latest PendingAudio
         self._fail = fail
 
     def chunk_due(self, decoded_frames: int) -> int:
@@ -123,6 +125,7 @@ class Decoding:
         for seq in due:
             seq.decoded_frames += len(seq.pending)
             seq.pending.clear()
+        self.queued_steps += 1
 
     def _due(self, stepped: list[Sequence]) -> list[Sequence]:
         """The stepped requests whose chunk is due (or that ended with frames to flush)."""
@@ -137,18 +140,31 @@ class Decoding:
         codes = torch.stack([torch.stack(s.pending[first[s]:first[s] + length]) for s in seqs])
         audio = self.decoders.decode([s.slot for s in seqs], codes)
         owners = [(s, (s.decoded_frames + first[s]) * self.samples_per_frame) for s in seqs]
-        self.in_flight.append(self.overlap.to_host(owners, audio))
+        pending = self.overlap.to_host(owners, audio)
+        pending.step = self.queued_steps + 1
+        self.in_flight.append(pending)
 
-    def first_audio_queued(self) -> bool:
-        return any(start_sample == 0 for pending in self.in_flight for _, start_sample in pending.owners)
+    def first_audio_step(self) -> int:
+        """The latest queue step with a request's first chunk in flight (0: none): what a step waits for at once."""
+        return max((p.step for p in self.in_flight if any(start == 0 for _, start in p.owners)), default=0)
 
-    def collect(self, finished: list[Sequence]) -> list[Event]:
-        """The queued chunks (waiting for their decode if needed), then the Finished of `finished`."""
+    def collect(self, finished: list[Sequence], wait_through: int) -> list[Event]:
+        """Deliver, in the order queued, the chunks queued by steps up to `wait_through` (waiting for their decode if
+        needed) and every later one whose copy has already landed (polled); then the Finished of each ended request
+        (`finished` joins those kept from before) whose audio is all out."""
         events: list[Event] = []
+        delivered = 0
         for pending in self.in_flight:
+            if pending.step > wait_through and not pending.landed():
+                break  # one stream: the later chunks have not landed either
             for (seq, start_sample), samples in zip(pending.owners, pending.wait()):
                 if not seq.cancelled:
                     events.append(AudioChunk(seq.request_id, start_sample, samples))
-        events += [Finished(s.request_id, s.done, s.frames, s.error) for s in finished if not s.cancelled]
-        self.in_flight = []
+            delivered += 1
+        del self.in_flight[:delivered]
+        still_decoding = {seq for pending in self.in_flight for seq, _ in pending.owners}
+        self.finishing += finished
+        events += [Finished(s.request_id, s.done, s.frames, s.error) for s in self.finishing
+                   if s not in still_decoding and not s.cancelled]
+        self.finishing = [s for s in self.finishing if s in still_decoding]
         return events

@@ -102,13 +102,14 @@ class Engine:
 
     def idle(self) -> bool:
         """No request left at all."""
-        return self.scheduler.idle() and not self.decoding.in_flight
+        return self.scheduler.idle() and not self.decoding.in_flight and not self.decoding.finishing
 
     def has_work(self) -> bool:
         """A step would do something now: requests whose text has not arrived wait for `append_text`, once the
         frames they made before holding are on their way to the decoder."""
         scheduler = self.scheduler
         return (any(s.ready() for s in scheduler.waiting) or bool(self.decoding.in_flight or scheduler.finished)
+                or bool(self.decoding.finishing)
                 or any(s.runnable() or s.pending for s in scheduler.running.values()))
 
     def submit(self, request: SynthesisRequest) -> int:
@@ -202,27 +203,32 @@ class Engine:
         arrived holds), queue the decoding of what is due. Returns the new events. Raises (EngineFailed, a device
         fault) only when the engine as a whole has failed.
 
-        With overlapped decoding, the audio queued in one step is collected in the next one while that step's frame
-        runs on the GPU; `on_audio`, if given, receives it then, before the frame's codes are waited for. A step that
-        queues a request's first audio waits for it instead: time to first audio is the decoder alone on the GPU."""
+        With overlapped decoding, the audio queued in one step is collected while the next steps' frames run on the
+        GPU: the step polls, delivering each decode that has landed, and waits only for decodes queued before the
+        previous step (or for all, when it has no frame to run); `on_audio`, if given, receives the audio before the
+        frame's codes are waited for. A step that queues a request's first audio waits for it instead: time to first
+        audio is the decoder alone on the GPU."""
         self._admit()
         seqs, held = self.scheduler.schedule()
         parts = self._frames(seqs)  # queued on the GPU
-        overlap = self.decoding.overlap.enabled
-        events = self._collect() if overlap else []
+        decoding = self.decoding
+        overlap = decoding.overlap.enabled
+        events = self._collect(decoding.queued_steps - 1 if parts else decoding.queued_steps) if overlap else []
         if on_audio is not None and events:
             on_audio(events)
             events = []
         eos = self.tts.config.talker.codec_eos_token_id
         for part, codes in parts:
             self.scheduler.postprocess(part, codes.cpu(), eos)  # the step's one device-to-host copy
-        self.decoding.queue([s for part, _ in parts for s in part], held)
-        if not overlap or self.decoding.first_audio_queued():
-            events += self._collect()
+        decoding.queue([s for part, _ in parts for s in part], held)
+        if not overlap:
+            events += self._collect(decoding.queued_steps)
+        elif decoding.first_audio_step():
+            events += self._collect(decoding.first_audio_step())
         return events
 
-    def _collect(self) -> list[Event]:
-        return self.decoding.collect(self.scheduler.take_finished())
+    def _collect(self, wait_through: int) -> list[Event]:
+        return self.decoding.collect(self.scheduler.take_finished(), wait_through)
 
     def _frames(self, seqs: list[Sequence]) -> list[tuple[list[Sequence], torch.Tensor]]:
         """One frame for `seqs`: (requests, codes) of each batch that ran. A batch that raises is bisected until

@@ -36,13 +36,11 @@ class CausalConv(nn.Module):
         self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.context = (kernel - 1) * dilation
 
-    def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: DecoderState, activation: SnakeBeta | None = None) -> torch.Tensor:
+        """`activation`, if given, is applied to x first (fused with the padding on a GPU)."""
         if self.context == 0:
-            return self.conv(x)
-        past = state.history.get(self.key)
-        if past is None:
-            past = x.new_zeros(x.shape[0], x.shape[1], self.context)
-        x = torch.cat((past, x), dim=-1)
+            return self.conv(padded(x, None, 0, activation))
+        x = padded(x, state.history.get(self.key), self.context, activation)
         state.history[self.key] = x[..., -self.context:]
         return self.conv(x)
 
@@ -57,15 +55,13 @@ class CausalTransposedConv(nn.Module):
         self.stride = stride
         self.overlap = kernel // stride - 1  # previous input frames that still reach the new outputs
 
-    def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: DecoderState, activation: SnakeBeta | None = None) -> torch.Tensor:
+        """`activation`, if given, is applied to x first (fused with the padding on a GPU)."""
         n = x.shape[-1]
         if self.overlap == 0:
-            return self.conv(x)[..., : n * self.stride]
-        past = state.history.get(self.key)
-        if past is None:
-            # A zero input contributes nothing; the bias is added once per output either way.
-            past = x.new_zeros(x.shape[0], x.shape[1], self.overlap)
-        x = torch.cat((past, x), dim=-1)
+            return self.conv(padded(x, None, 0, activation))[..., : n * self.stride]
+        # A zero past input contributes nothing; the bias is added once per output either way.
+        x = padded(x, state.history.get(self.key), self.overlap, activation)
         state.history[self.key] = x[..., -self.overlap:]
         start = self.overlap * self.stride
         return self.conv(x)[..., start: start + n * self.stride]
@@ -81,6 +77,21 @@ class SnakeBeta(nn.Module):
         alpha = torch.exp(self.alpha)[None, :, None]
         beta = torch.exp(self.beta)[None, :, None]
         return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+def padded(x: torch.Tensor, past: torch.Tensor | None, context: int, activation: SnakeBeta | None) -> torch.Tensor:
+    """A causal convolution's input: cat(past, activation(x)) along time, zeros for a missing past. On a GPU an
+    activation and the padding are one Triton kernel (`engine/kernels/snake.py`), the decoder's largest saving."""
+    if activation is not None and x.is_cuda:
+        from engine.kernels.snake import snake_padded  # imported here: Triton is only needed where it runs
+        return snake_padded(x, activation.alpha, activation.beta, past, context)
+    if activation is not None:
+        x = activation(x)
+    if context == 0:
+        return x
+    if past is None:
+        past = x.new_zeros(x.shape[0], x.shape[1], context)
+    return torch.cat((past, x), dim=-1)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -107,7 +118,7 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(key + ".pw", dim, dim, 1)
 
     def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x), state)), state)
+        return x + self.conv2(self.conv1(x, state, self.act1), state, self.act2)
 
 
 class UpsampleBlock(nn.Module):
@@ -122,8 +133,8 @@ class UpsampleBlock(nn.Module):
         ])
 
     def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
-        x = self.block[0](x)
-        for layer in self.block[1:]:
+        x = self.block[1](x, state, self.block[0])
+        for layer in self.block[2:]:
             x = layer(x, state)
         return x
 
@@ -307,7 +318,7 @@ class CodecDecoder(nn.Module):
         x = self.decoder[0](x, state)
         for block in self.decoder[1:-2]:
             x = block(x, state)
-        x = self.decoder[-1](self.decoder[-2](x), state)
+        x = self.decoder[-1](x, state, self.decoder[-2])
         state.position = state.position + codes.shape[1]
         return x[:, 0].clamp(-1.0, 1.0)
 
