@@ -42,6 +42,11 @@ STALLED_STEP_S = 30.0  # a step running longer than this means the device hangs:
 WATCHDOG_INTERVAL_S = 1.0  # how often the watchdog looks for a stalled step
 REFAIL_WINDOW_S = 60.0  # an engine that fails again this soon after its restart has failed for good
 RESTART_TIMEOUT_S = 300.0  # for each of building and warming up a new engine
+# Engine slots on a GPU: as many KV slots of the engine's context as this share of the free memory holds once the
+# model is loaded (the rest: the codec decoder's states and graphs, activations), rounded down to a graph bucket, up
+# to the largest. An H100 with the 1.7B model: ~49 GB, 192 slots of 2,048 positions.
+GPU_KV_MEMORY_SHARE = 0.65
+GPU_MAX_SLOTS = 256
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ class GatewayOptions:
     device: str = "cpu"
     clone_voices: tuple[CloneVoice, ...] = ()
     limits: Limits = field(default_factory=Limits)
-    max_batch: int | None = None  # engine slots; None: 64 on a GPU, 8 on the CPU
+    max_batch: int | None = None  # engine slots; None: sized by the GPU's free memory (_engine_config), 8 on the CPU
     clean_text: bool = True  # LLM output: markdown and emoji are not read out
     llm: LLMConfig | None = None  # the chat endpoint's LLM (/v1/chat); None: the demo speaks what the user types
     dtype: str = "auto"  # "auto": bfloat16 on a GPU, float32 on the CPU
@@ -219,13 +224,16 @@ class Gateway:
         return engine
 
     def _engine_config(self) -> EngineConfig:
+        """On a GPU the slots fill GPU_KV_MEMORY_SHARE of its free memory, up to GPU_MAX_SLOTS (`--max-batch` sets
+        them instead); on the CPU 8."""
         gpu = self._gpu()
-        slots = self.options.max_batch or (64 if gpu else 8)
         synthetic = self.options.synthetic_frames_per_token
         if gpu:
-            return EngineConfig(max_batch=slots, step_mode="graphs", attention_backend="triton",
-                                frame_path="triton", synthetic_frames_per_token=synthetic)
-        return EngineConfig(max_batch=slots, synthetic_frames_per_token=synthetic)
+            sized = self.options.max_batch is None
+            return EngineConfig(max_batch=self.options.max_batch or GPU_MAX_SLOTS,
+                                kv_memory_share=GPU_KV_MEMORY_SHARE if sized else None, step_mode="graphs",
+                                attention_backend="triton", frame_path="triton", synthetic_frames_per_token=synthetic)
+        return EngineConfig(max_batch=self.options.max_batch or 8, synthetic_frames_per_token=synthetic)
 
     async def _warm_up(self) -> None:
         request = self.template(self.voices.warm_up_voice(), "auto", Sampling(seed=0))

@@ -211,3 +211,14 @@ def test_kv_budget_sets_the_number_of_slots(tts):
     per_slot = 2 * layers.num_hidden_layers * layers.num_key_value_heads * layers.head_dim * 100 * 4
     engine = Engine(tts, EngineConfig(max_batch=64, capacity=100, kv_budget_bytes=5 * per_slot + 7))
     assert engine.slots == 5
+
+
+def test_slots_sized_by_free_memory_are_a_graph_bucket(tts, monkeypatch):
+    """A share of the GPU's free memory sizes the slots (as a server's default), rounded down to a CUDA graph's batch
+    size so that a full batch is still graphed; given a fixed budget the slots are exactly what it holds."""
+    layers = tts.config.talker.layers
+    per_slot = 2 * layers.num_hidden_layers * layers.num_key_value_heads * layers.head_dim * 100 * 4
+    monkeypatch.setattr(Engine, "_free_memory_share", staticmethod(lambda device, share: int(200.5 * per_slot)))
+    assert Engine(tts, EngineConfig(max_batch=256, capacity=100, kv_memory_share=0.65)).slots == 192
+    assert Engine(tts, EngineConfig(max_batch=100, capacity=100, kv_memory_share=0.65)).slots == 96
+    assert Engine(tts, EngineConfig(max_batch=256, capacity=100, kv_budget_bytes=200 * per_slot)).slots == 200

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 
 import torch
 
+from engine.core.cuda_graphs import DEFAULT_BUCKETS
 from engine.core.decoding import Decoding
 from engine.core.isolation import isolated, request_error
 from engine.core.kv_cache import CacheShape
@@ -40,6 +41,9 @@ class EngineConfig:
     max_batch: int = 64  # slots: requests running at once
     capacity: int = 2048  # talker positions per slot (prompt + frames)
     kv_budget_bytes: int | None = None  # if set, fewer slots when the budget is smaller
+    # if set (and no kv_budget_bytes), the budget is this share of the device's free memory once the model is loaded:
+    # slots sized by the GPU, as LLM servers size their KV cache
+    kv_memory_share: float | None = None
     max_waiting: int = 256
     max_prefill_batch: int = 16
     first_chunk_frames: int = 1
@@ -67,12 +71,14 @@ class Engine:
         self.length = (None if config.synthetic_frames_per_token is None else
                        SyntheticLength.for_model(config.synthetic_frames_per_token, tts.config, str(tts.model_dir)))
         layers = tts.config.talker.layers
-        if config.kv_budget_bytes is None:
+        budget = config.kv_budget_bytes or self._free_memory_share(tts.device, config.kv_memory_share)
+        if budget is None:
             shape = CacheShape(layers.num_hidden_layers, layers.num_key_value_heads, layers.head_dim,
                                config.max_batch, config.capacity)
         else:
-            shape = CacheShape.from_budget(layers, config.kv_budget_bytes, config.capacity, tts.dtype,
-                                           config.max_batch)
+            shape = CacheShape.from_budget(layers, budget, config.capacity, tts.dtype, config.max_batch)
+            if config.kv_budget_bytes is None:  # sized by the GPU: a bucket's size, so that every batch is graphed
+                shape = replace(shape, slots=max(b for b in (1, *DEFAULT_BUCKETS) if b <= shape.slots))
         self.runner = ModelRunner(tts.talker, shape, tts.device, tts.dtype, config.frame_path,
                                   config.attention_backend, config.step_mode, tts.config.tts_pad_token_id)
         overlap = config.overlap_decoding if config.overlap_decoding is not None else tts.device.type == "cuda"
@@ -83,6 +89,15 @@ class Engine:
                                                         config.max_prefill_batch, config.max_waiting,
                                                         admission=config.admission)
         self._ids = count(1)
+
+    @staticmethod
+    def _free_memory_share(device: torch.device, share: float | None) -> int | None:
+        """`share` of the GPU's free memory in bytes (None on the CPU or without a share: slots as configured)."""
+        if share is None or device.type != "cuda":
+            return None
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"kv_memory_share must be between 0 and 1, got {share}")
+        return int(torch.cuda.mem_get_info(device)[0] * share)
 
     @property
     def slots(self) -> int:
