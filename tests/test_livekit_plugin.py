@@ -11,8 +11,7 @@ import pytest
 from livekit.agents import APIError, APIStatusError
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT, APIConnectOptions
 
-from realtime.gateway import Limits
-from tests.gateway_server import running_server
+from tests.gateway_server import short_speech_server
 from voxgate_client.client import VoxgateClient
 from voxgate_client.livekit import TTS, VoiceOptions
 
@@ -20,14 +19,9 @@ SEED = 5
 TEXT = "Hello there, how are you today?"
 LONG_TEXT = " ".join(f"Sentence number {i} goes on for a while, so that speaking it takes time." for i in range(12))
 
-# random weights never end an utterance by themselves: each is held to this many frames per text token (2-4 is
-# real speech), so tests wait for short speech instead of the runaway guard
-SHORT_SPEECH = 2.0
-
-
 @pytest.fixture(scope="module")
 def server(one_thread):
-    with running_server(Limits(idle_timeout_s=1.0), synthetic_frames_per_token=SHORT_SPEECH) as running:
+    with short_speech_server() as running:
         yield running
 
 

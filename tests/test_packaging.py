@@ -17,13 +17,16 @@ from tests.server_process import server_process
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def build_wheel(source: Path, out: Path, name: str) -> Path:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(out)], check=True, cwd=out)
+    (built,) = out.glob(f"{name}-*.whl")
+    return built
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out)], check=True, cwd=out)
-    (built,) = out.glob("voxgate-*.whl")
-    return built
+    return build_wheel(ROOT, tmp_path_factory.mktemp("wheel"), "voxgate")
 
 
 def test_the_wheel_has_every_module_and_the_demo(wheel):
@@ -56,11 +59,7 @@ SERVER_SIDE = ("torch", "engine", "realtime")
 
 @pytest.fixture(scope="module")
 def client_wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("client_wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(CLIENT), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out)], check=True, cwd=out)
-    (built,) = out.glob("voxgate_client-*.whl")
-    return built
+    return build_wheel(CLIENT, tmp_path_factory.mktemp("client_wheel"), "voxgate_client")
 
 
 def test_the_client_wheel_needs_neither_torch_nor_the_server(client_wheel):

@@ -32,22 +32,16 @@ from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode
 from pipecat.workers.runner import WorkerRunner
 
-from realtime.gateway import Limits
-from tests.gateway_server import running_server
+from tests.gateway_server import short_speech_server
 from voxgate_client.client import VoxgateClient
 from voxgate_client.pipecat import VoxgateTTSService, join_sentence
 
 SEED = {"seed": 11}
 LONG_REPLY = " ".join(f"Sentence number {i} goes on for a while, so that speaking it takes time." for i in range(12))
 
-# random weights never end an utterance by themselves: each is held to this many frames per text token (2-4 is
-# real speech), so tests wait for short speech instead of the runaway guard
-SHORT_SPEECH = 2.0
-
-
 @pytest.fixture(scope="module")
 def server(one_thread):
-    with running_server(Limits(idle_timeout_s=1.0), synthetic_frames_per_token=SHORT_SPEECH) as running:
+    with short_speech_server() as running:
         yield running
 
 
