@@ -135,7 +135,23 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--synthetic-frames-per-token", type=float, metavar="X",
                    help="benchmark-only: each utterance ends at exactly ceil(X x its text tokens) frames (a random-"
                         "weight checkpoint never emits EOS); refused for a checkpoint not marked random; None: off")
+    p.add_argument("--chunk-schedule", default="fixed",
+                   help="audio chunk sizes: fixed (1, 1, 2, 4 frames) or lead (by each client's buffer)")
+    p.add_argument("--admission", default="all",
+                   help="all (every ready request is prefilled at once) or protect (a prefill waits, at most "
+                        "0.1 s, while a running stream's buffer is thin)")
     p.set_defaults(run=run_serve)
+
+
+def _check_scheduling(chunk_schedule: str, admission: str) -> None:
+    """The engine's names, checked here (its modules import torch, which `voxgate --help` does not wait for)."""
+    from engine.core.decoding import CHUNK_SCHEDULES
+    from engine.core.scheduler import ADMISSIONS
+
+    if chunk_schedule not in CHUNK_SCHEDULES:
+        raise VoxgateError(f"--chunk-schedule {chunk_schedule!r}: choose one of {', '.join(CHUNK_SCHEDULES)}")
+    if admission not in ADMISSIONS:
+        raise VoxgateError(f"--admission {admission!r}: choose one of {', '.join(ADMISSIONS)}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -151,6 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise VoxgateError(f"--{name.replace('_', '-')} must be at least 1")
     if args.idle_timeout <= 0 or args.max_message_rate <= 0 or args.handshake_timeout <= 0:
         raise VoxgateError("--idle-timeout, --handshake-timeout and --max-message-rate must be positive")
+    _check_scheduling(args.chunk_schedule, args.admission)
     try:
         clones = tuple(CloneVoice.parse(spec) for spec in args.clone_voice)
         openai_voices = tuple(parse_openai_voice(spec) for spec in args.openai_voice)
@@ -169,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm, dtype=args.dtype,
                              engine_process={"auto": None, "on": True, "off": False}[args.engine_process],
                              synthetic_frames_per_token=args.synthetic_frames_per_token, openai_voices=openai_voices,
-                             data_dir=args.data_dir)
+                             data_dir=args.data_dir, chunk_schedule=args.chunk_schedule, admission=args.admission)
     try:
         return serve(options, args.host, args.port)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop

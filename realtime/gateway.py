@@ -82,6 +82,8 @@ class GatewayOptions:
     synthetic_frames_per_token: float | None = None  # benchmark-only, random-weight checkpoints (EngineConfig)
     openai_voices: tuple[tuple[str, str], ...] = ()  # (OpenAI voice name, the model's voice): --openai-voice
     data_dir: Path | None = None  # the voice library's directory; None: voices uploaded are kept in memory only
+    chunk_schedule: str = "fixed"  # EngineConfig's: "fixed" | "lead"
+    admission: str = "all"  # EngineConfig's: "all" | "protect"
 
 
 def check_options(options: GatewayOptions) -> None:
@@ -226,14 +228,15 @@ class Gateway:
     def _engine_config(self) -> EngineConfig:
         """On a GPU the slots fill GPU_KV_MEMORY_SHARE of its free memory, up to GPU_MAX_SLOTS (`--max-batch` sets
         them instead); on the CPU 8."""
-        gpu = self._gpu()
-        synthetic = self.options.synthetic_frames_per_token
-        if gpu:
-            sized = self.options.max_batch is None
-            return EngineConfig(max_batch=self.options.max_batch or GPU_MAX_SLOTS,
+        options = self.options
+        common = dict(synthetic_frames_per_token=options.synthetic_frames_per_token,
+                      chunk_schedule=options.chunk_schedule, admission=options.admission)
+        if self._gpu():
+            sized = options.max_batch is None
+            return EngineConfig(max_batch=options.max_batch or GPU_MAX_SLOTS,
                                 kv_memory_share=GPU_KV_MEMORY_SHARE if sized else None, step_mode="graphs",
-                                attention_backend="triton", frame_path="triton", synthetic_frames_per_token=synthetic)
-        return EngineConfig(max_batch=self.options.max_batch or 8, synthetic_frames_per_token=synthetic)
+                                attention_backend="triton", frame_path="triton", **common)
+        return EngineConfig(max_batch=options.max_batch or 8, **common)
 
     async def _warm_up(self) -> None:
         request = self.template(self.voices.warm_up_voice(), "auto", Sampling(seed=0))

@@ -187,3 +187,19 @@ def test_serve_holds_each_utterance_to_its_synthetic_length(tiny_checkpoints, tm
         with urllib.request.urlopen(request, timeout=120) as response:
             pcm = response.read()
     assert len(pcm) == math.ceil(x * tokens) * 1920 * 2  # 16-bit samples, 1920 a frame
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--chunk-schedule", "bogus"], "--chunk-schedule 'bogus': choose one of fixed, lead"),
+    (["--admission", "nope"], "--admission 'nope': choose one of all, protect"),
+])
+def test_serve_refuses_unknown_scheduling_by_name(args, message):
+    run = voxgate("serve", *args)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_serve_scheduling_reaches_the_engine():
+    from realtime.gateway import Gateway, GatewayOptions
+
+    config = Gateway(GatewayOptions(chunk_schedule="lead", admission="protect"))._engine_config()
+    assert (config.chunk_schedule, config.admission) == ("lead", "protect")
