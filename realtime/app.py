@@ -85,7 +85,8 @@ def create_app(gateway: Gateway) -> Starlette:
 
         async def handle() -> Response:
             spoken = parse_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
-            return await speech_response(spoken, start_speech(spoken, gateway), delivery)
+            return await speech_response(spoken, start_speech(spoken, gateway), delivery,
+                                         lambda: _client_gone(request))
         response = await _http(request, gateway, auth, handle)
         gateway.metrics.http_requests.labels(status=str(response.status_code)).inc()
         return response
@@ -170,6 +171,13 @@ async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable
     except HTTPFailure as failure:
         gateway.metrics.http.error(failure.code)
         return JSONResponse(failure.body(), status_code=failure.status)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has closed the connection (the body already read, the next message is the
+    disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _body(request: Request, max_bytes: int) -> bytes:

@@ -55,5 +55,8 @@ class Metrics:
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The exposition and its content type: OpenMetrics when `accept` (the request's Accept header) asks for
         it, Prometheus text 0.0.4 otherwise."""
-        encode, content_type = choose_encoder(accept)
+        try:
+            encode, content_type = choose_encoder(accept)
+        except (TypeError, ValueError):  # prometheus_client fails on some malformed versions ("version=garbage")
+            encode, content_type = choose_encoder("")
         return encode(self.registry), content_type

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from realtime.speech_http import SpeechRequest
 log = logging.getLogger("voxgate")
 
 Encoded = AsyncIterator[tuple[bytes, int]]  # (bytes ready to send, samples that went in for them)
+CLIENT_GONE = 499  # the status logged for a whole body whose client left before it was made (nginx's)
 
 
 @dataclass
@@ -44,13 +46,17 @@ class Delivery:
         self.metrics.error(failure.code)
 
 
-async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarray], delivery: Delivery) -> Response:
+async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarray], delivery: Delivery,
+                          disconnected: Callable[[], Awaitable[object]]) -> Response:
     """Streamed responses start once the first audio is made, so that a request failing before any audio gets its
-    error status instead of an empty 200."""
+    error status instead of an empty 200. `disconnected` returns once the client has gone: a whole body still being
+    made stops then (a streamed one stops when its send fails)."""
     encoder = body_encoder(spoken.response_format, streamed=spoken.stream)
     headers = {"X-Sample-Rate": str(MODEL_SAMPLE_RATE)}
     if not spoken.stream:
-        body = b"".join([data async for data, _ in _encoded(chunks, encoder)])
+        body = await _whole(_encoded(chunks, encoder), disconnected)
+        if body is None:
+            return Response(status_code=CLIENT_GONE)
         delivery.sent(encoder.samples, body)
         return Response(body, media_type=CONTENT_TYPES[spoken.response_format],
                         headers={**headers, "X-Audio-Samples": str(encoder.samples)})
@@ -62,16 +68,39 @@ async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarra
                              headers=headers)
 
 
+async def _whole(pieces: Encoded, disconnected: Callable[[], Awaitable[object]]) -> bytes | None:
+    """The whole body, or None once the client has gone (its synthesis stopped at once, not made for nobody)."""
+    made = asyncio.ensure_future(_joined(pieces))
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((made, gone), return_when=asyncio.FIRST_COMPLETED)
+        return made.result() if made.done() else None
+    finally:
+        for task in (made, gone):
+            task.cancel()
+        await asyncio.gather(made, gone, return_exceptions=True)
+
+
+async def _joined(pieces: Encoded) -> bytes:
+    async with contextlib.aclosing(pieces):
+        return b"".join([data async for data, _ in pieces])
+
+
+# Every generator of the chain closes the one it reads (`aclosing`): a client that leaves while a worker thread
+# encodes cancels the outermost, and the innermost (`speech_http._chunks`) then frees the engine at once instead of
+# whenever the garbage collector finds it.
 async def _prepend(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
-    if first is not None:
-        yield first
-    async for samples in chunks:
-        yield samples
+    async with contextlib.aclosing(chunks):
+        if first is not None:
+            yield first
+        async for samples in chunks:
+            yield samples
 
 
 async def _encoded(chunks: AsyncIterator[np.ndarray], encoder: PcmBody | ContainerBody) -> Encoded:
-    async for samples in chunks:
-        yield await _run(encoder, encoder.encode, samples), len(samples)
+    async with contextlib.aclosing(chunks):
+        async for samples in chunks:
+            yield await _run(encoder, encoder.encode, samples), len(samples)
     yield await _run(encoder, encoder.finish), 0
 
 
@@ -83,10 +112,11 @@ async def _audio_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[byte
     """An audio body has no way to say that it failed after its status went out: it ends early (the log and the
     error metric say why)."""
     try:
-        async for data, samples in pieces:
-            if data:
-                yield data
-            delivery.sent(samples, data)
+        async with contextlib.aclosing(pieces):
+            async for data, samples in pieces:
+                if data:
+                    yield data
+                delivery.sent(samples, data)
     except HTTPFailure as failure:
         delivery.failed(failure)
         log.warning("a streamed speech response ended early: %s", failure.code)
@@ -96,10 +126,11 @@ async def _sse_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[bytes]
     """OpenAI's speech events: `speech.audio.delta` with the format's bytes in base64, then `speech.audio.done`; a
     failure after the first event is an `error` event."""
     try:
-        async for data, samples in pieces:
-            if data:
-                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
-            delivery.sent(samples, data)
+        async with contextlib.aclosing(pieces):
+            async for data, samples in pieces:
+                if data:
+                    yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+                delivery.sent(samples, data)
         yield _event({"type": "speech.audio.done"})
     except HTTPFailure as failure:
         delivery.failed(failure)

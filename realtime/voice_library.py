@@ -128,7 +128,7 @@ class VoiceLibrary:
         """Check, encode, store and serve an uploaded voice; raises HTTPFailure."""
         self._check(upload)
         async with self._encoding:
-            self._check_name_free(upload.name)  # again: another upload of that name may have finished meanwhile
+            self._check_room(upload.name)  # again: other uploads may have finished meanwhile
             stored, voice = await asyncio.to_thread(self._make, upload)
         self.catalog.add_stored(stored, voice)
         return stored.describe()
@@ -161,14 +161,15 @@ class VoiceLibrary:
         elif upload.instruction is None or upload.audio is not None or upload.transcript is not None:
             raise voice_failure("invalid_message", "a VoiceDesign model saves a designed voice: give an instruction "
                                                    "describing it, and no audio or transcript")
-        self._check_name_free(upload.name)
+        self._check_room(upload.name)
+
+    def _check_room(self, name: str) -> None:
+        """The name is free and the library has room for one more."""
+        if self.catalog.has(name):
+            raise voice_failure("voice_exists", f"a voice named {name!r} exists already (GET /v1/voices lists them)")
         if len(self.catalog.stored_voices()) >= self.max_voices:
             raise voice_failure("voice_limit", f"the library holds its maximum of {self.max_voices} voices for this "
                                                "model (--max-stored-voices); delete one first")
-
-    def _check_name_free(self, name: str) -> None:
-        if self.catalog.has(name):
-            raise voice_failure("voice_exists", f"a voice named {name!r} exists already (GET /v1/voices lists them)")
 
     def _make(self, upload: VoiceUpload):
         """On a worker thread: decode and encode the upload, store it; returns the record and the engine voice."""

@@ -8,8 +8,10 @@ import asyncio
 import base64
 import io
 import json
+import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import av
@@ -194,8 +196,11 @@ def test_http_errors_are_counted_by_code(server, body, status, code):
     ("application/openmetrics-text; version=1.0.0", True),
     ("application/openmetrics-text;version=1.0.0;q=0.9, text/plain;version=0.0.4;q=0.5", True),
     ("application/openmetrics-text", True),
+    ("application/openmetrics-text; version=garbage", False),  # prometheus_client's parser raises on it
 ])
 def test_metrics_negotiate_openmetrics(server, accept, openmetrics):
+    with pytest.raises(urllib.error.HTTPError):  # an error counted, so that the errors series has a sample
+        urllib.request.urlopen(urllib.request.Request(server.http + "/v1/audio/speech", data=b"{}"), timeout=30)
     content_type, samples = metric_samples(server, accept)
     if openmetrics:
         assert content_type.startswith("application/openmetrics-text; version=1.0.0")
@@ -206,6 +211,32 @@ def test_metrics_negotiate_openmetrics(server, accept, openmetrics):
     names = {name for name, _ in samples}
     assert {"voxgate_sessions_active", "voxgate_ttfa_seconds_bucket", "voxgate_audio_seconds_total",
             "voxgate_errors_total", "voxgate_engine_requests_active"} <= names
+
+
+@pytest.mark.parametrize("response_format, stream", [("mp3", True), ("opus", True), ("pcm", True), ("wav", False),
+                                                     ("mp3", False)])
+def test_a_client_that_leaves_frees_the_engine_at_once(server, response_format, stream):
+    """A client that sends its request and closes the connection before any audio: its engine request ends within a
+    second, streamed or whole (left to run, this one takes many seconds on the CPU); a whole body is not made for
+    nobody (counted as 499, client gone)."""
+    body = json.dumps({"input": "word " * 78, "response_format": response_format, "stream": stream}).encode()
+    gone = metric(server, "voxgate_http_speech_requests_total", status="499")
+    handled = sum(v for (name, _), v in metric_samples(server)[1].items()
+                  if name == "voxgate_http_speech_requests_total")
+    host, port = server.http.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    deadline = time.monotonic() + 30
+    while sum(v for (name, _), v in metric_samples(server)[1].items()
+              if name == "voxgate_http_speech_requests_total") == handled:  # the handler took it (and counted it)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    freed_by = time.monotonic() + 1.0
+    while metric(server, "voxgate_engine_requests_active") > 0:
+        assert time.monotonic() < freed_by, "the engine request outlived its client"
+        time.sleep(0.05)
+    assert stream or metric(server, "voxgate_http_speech_requests_total", status="499") == gone + 1
 
 
 # --- hostile values of the format fields --------------------------------------------------------------------------

@@ -4,6 +4,7 @@ data directory, delete, every bad upload, hostile fields, API keys."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import io
 import json
 import socket
@@ -201,6 +202,8 @@ def test_bad_uploads_get_specific_errors(base_model, tmp_path, one_thread):
         }
         for case, (response, status, code) in cases.items():
             assert (response.status_code, error_code(response)) == (status, code), (case, response.text)
+        unreadable = cases["not audio"][0].json()["error"]["message"]
+        assert "Format not recognised" in unreadable and " at 0x" not in unreadable  # libsndfile's words, no repr
         assert upload(server, "second", wav()).status_code == 201
         full = upload(server, "third", wav())
         assert (full.status_code, error_code(full)) == (409, "voice_limit")
@@ -248,6 +251,17 @@ def test_models_that_cannot_make_voices_and_voice_design(tiny_checkpoints, tmp_p
         assert speech(server, "narrator", instructions="Another voice.")[0] == 400
     with running_server(model=tiny_checkpoints["voice_design"], data_dir=data_dir) as server:
         assert speech(server, "narrator") == designed
+
+
+def test_concurrent_uploads_keep_the_library_within_its_limit(base_model, one_thread):
+    """Uploads that all pass the first check while one encodes: the limit is checked again once each has its turn."""
+    with running_server(Limits(max_stored_voices=2), model=base_model) as server:
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            responses = list(pool.map(lambda i: upload(server, f"race{i}", wav()), range(5)))
+        codes = sorted(r.status_code for r in responses)
+        assert codes == [201, 201, 409, 409, 409]
+        assert {error_code(r) for r in responses if r.status_code == 409} == {"voice_limit"}
+        assert len(httpx.get(server.http + "/v1/audio/voices").json()["voices"]) == 2
 
 
 def test_uploads_and_deletes_need_the_api_key(base_model, one_thread):

@@ -70,7 +70,9 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
     except AudioInputError:
         raise
     except Exception as exc:  # libsndfile raises several types (LibsndfileError, RuntimeError, TypeError)
-        raise UnreadableAudio(f"cannot read {name}: {exc}") from exc
+        # LibsndfileError's own words, without its "Error opening <object at 0x...>: " prefix
+        reason = getattr(exc, "error_string", None) or str(exc)
+        raise UnreadableAudio(f"cannot read {name}: {reason}") from exc
     if audio.size == 0:
         raise UnreadableAudio(f"{name} is empty (no samples)")
     mono = audio.mean(axis=1) if audio.shape[1] > 1 else audio[:, 0]
