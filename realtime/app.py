@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -159,7 +160,14 @@ def create_app(gateway: Gateway) -> Starlette:
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
         routes += [Route("/", demo_page),
                    Mount("/static", StaticFiles(directory=WEB_DIR))]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _routing_refusal})
+
+
+async def _routing_refusal(request: Request, failure: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take) as the API's JSON errors."""
+    message = f"{failure.detail}: {request.method} {request.url.path[:200]}"
+    return JSONResponse({"error": {"code": "invalid_message", "message": message}}, failure.status_code,
+                        headers=failure.headers)
 
 
 async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable[[], Awaitable[Response]],

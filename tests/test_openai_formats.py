@@ -239,6 +239,17 @@ def test_a_client_that_leaves_frees_the_engine_at_once(server, response_format, 
     assert stream or metric(server, "voxgate_http_speech_requests_total", status="499") == gone + 1
 
 
+def test_unknown_routes_and_methods_get_the_apis_json_errors(server):
+    for path, method, status in (("/v1/nothing/here", "GET", 404), ("/v1/audio/speech", "GET", 405),
+                                 ("/v1/audio/voices/a%2Fb", "GET", 404)):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(server.http + path, method=method), timeout=30)
+        assert refused.value.code == status
+        assert json.loads(refused.value.read())["error"]["code"] == "invalid_message"
+        if status == 405:
+            assert "POST" in refused.value.headers["Allow"]
+
+
 # --- hostile values of the format fields --------------------------------------------------------------------------
 
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
