@@ -78,7 +78,7 @@ class Engine:
         else:
             shape = CacheShape.from_budget(layers, budget, config.capacity, tts.dtype, config.max_batch)
             if config.kv_budget_bytes is None:  # sized by the GPU: a bucket's size, so that every batch is graphed
-                shape = replace(shape, slots=max(b for b in (1, *DEFAULT_BUCKETS) if b <= shape.slots))
+                shape = replace(shape, slots=max(b for b in DEFAULT_BUCKETS if b <= shape.slots))
         self.runner = ModelRunner(tts.talker, shape, tts.device, tts.dtype, config.frame_path,
                                   config.attention_backend, config.step_mode, tts.config.tts_pad_token_id)
         overlap = config.overlap_decoding if config.overlap_decoding is not None else tts.device.type == "cuda"
@@ -238,8 +238,8 @@ class Engine:
         decoding.queue([s for part, _ in parts for s in part], held)
         if not overlap:
             events += self._collect(decoding.queued_steps)
-        elif decoding.first_audio_step():
-            events += self._collect(decoding.first_audio_step())
+        elif first_audio := decoding.first_audio_step():
+            events += self._collect(first_audio)
         return events
 
     def _collect(self, wait_through: int) -> list[Event]:
