@@ -1,13 +1,15 @@
 """GPU benchmark of the batched engine on random real-size weights (EOS held off to fixed lengths).
 
 Parts (all by default): `check` (bf16 agreement with the single-request path), `single` (time to first audio and the
-frame step at batch 1), `scaling` (frame-step time by batch size), `offline` (throughput at large batch), `load`
-(Poisson arrivals: TTFA percentiles and streams that never underrun in a simulated player), `streaming` (concurrent
-sessions whose text arrives like an LLM's, through the real utterance planner and streaming-text requests),
-`decoder` (the codec decoder alone: time per graphed call by batch and chunk length, its arithmetic rate, and its
-agreement with an fp32 decode on the CPU). Usage:
+frame step at batch 1), `first_audio` (where a single request's time to first audio goes, phase by phase, and the
+graphed prefill against the eager one), `scaling` (frame-step time by batch size), `offline` (throughput at large
+batch), `load` (Poisson arrivals: TTFA percentiles and streams that never underrun in a simulated player),
+`streaming` (concurrent sessions whose text arrives like an LLM's, through the real utterance planner and
+streaming-text requests), `decoder` (the codec decoder alone: time per graphed call by batch and chunk length,
+its arithmetic rate, and its agreement with an fp32 decode on the CPU). Usage:
     python scripts/bench_engine.py --size 1b7 --parts check,single,scaling,offline,load --rates 10,20,40
     python scripts/bench_engine.py --size 1b7 --parts decoder
+    python scripts/bench_engine.py --size 1b7 --parts first_audio --repeats 20
     python scripts/bench_engine.py --size 1b7 --parts streaming --sessions 10,40 --token-rates 20-80,5-10
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.codec_decoding import DecoderPool  # noqa: E402
 from engine.core.engine import Engine, EngineConfig  # noqa: E402
+from engine.core.prefill_graphs import PaddedPrefill  # noqa: E402
 from engine.core.simulator import llm_token_times  # noqa: E402
 from engine.request import AudioChunk, SynthesisRequest
 from engine.sampling import MIN_NEW_FRAMES, SamplingParams  # noqa: E402
@@ -164,6 +169,76 @@ class Bench:
         return dict(ttfa_ms_p50=percentile(ttfa, 50) * 1e3, ttfa_ms_p95=percentile(ttfa, 95) * 1e3,
                     engine_step_ms_p50=percentile(steps, 50) * 1e3, engine_step_ms_mean=statistics.mean(steps) * 1e3)
 
+    def first_audio(self) -> dict:
+        """A single request's first step, phase by phase (planning, prefill, decoder start, frame, decoding), each
+        timed with the GPU synchronised at its start and end: the phases sum to a little more than `single`'s
+        unsynchronised time to first audio. Then the prefill alone, graphed (as served) and eager, on the same
+        prompts, and how far apart their bf16 results are."""
+        engine = self.engine()
+        phases: dict[str, list[float]] = defaultdict(list)
+        recording = [False]
+
+        def timed(name: str, call: Callable) -> Callable:
+            def run(*args, **kwargs):
+                if not recording[0]:
+                    return call(*args, **kwargs)
+                synchronize()
+                start = time.perf_counter()
+                out = call(*args, **kwargs)
+                synchronize()
+                phases[name].append(time.perf_counter() - start)
+                return out
+            return run
+
+        runner, decoding = engine.runner, engine.decoding
+        original_run = runner.run
+        runner.prefill, decoding.start = timed("prefill", runner.prefill), timed("decoder_start", decoding.start)
+        runner.run, decoding.queue = timed("frame", original_run), timed("decode_queue", decoding.queue)
+        decoding.collect = timed("decode_collect", decoding.collect)
+        plan = timed("plan", engine.submit)
+        try:
+            for seed in range(self.args.repeats):
+                recording[0] = True
+                plan(self.request(8, seed))
+                while recording[0]:
+                    recording[0] = not any(isinstance(e, AudioChunk) for e in engine.step())
+                while not engine.idle():
+                    engine.step()
+        finally:
+            runner.run = original_run
+            del runner.prefill, decoding.start, decoding.queue, decoding.collect
+        out = {f"{name}_ms_p50": percentile(times, 50) * 1e3 for name, times in phases.items()}
+        return out | self._prefill_timing(engine)
+
+    def _prefill_timing(self, engine: Engine) -> dict:
+        """The served prefill (padded, graphed) against the eager varlen pass, on the same prompts in free slots."""
+        frame = engine.runner.frame
+        served = frame.prefill
+        if not isinstance(served, PaddedPrefill):
+            return {}
+        eager = PaddedPrefill(served.tokens, engine.runner.last_hidden.shape[1], engine.tts.dtype,
+                              engine.tts.device, served.scratch_slot, engine.runner.capacity, buckets=(), capture=False)
+        out = {}
+        for count in (1, 4):
+            prompts = [self.tts.plan(self.request(8, seed).text, self.voice, language="english",
+                                     layout="streaming").prompt.prefill for seed in range(count)]
+            slots = list(range(count))
+            results = {}
+            for name, prefill in (("graphed", served), ("eager", eager)):
+                times = []
+                for _ in range(self.args.repeats):
+                    synchronize()
+                    start = time.perf_counter()
+                    results[name] = prefill([p.clone() for p in prompts], slots)
+                    synchronize()
+                    times.append(time.perf_counter() - start)
+                out[f"prefill_{name}_ms_p50_{count}_prompts"] = percentile(times, 50) * 1e3
+            graphed, eager_hidden = results["graphed"].float(), results["eager"].float()
+            out[f"prefill_{count}_prompts_tokens"] = sum(p.shape[0] for p in prompts)
+            out[f"prefill_{count}_prompts_bit_equal"] = (graphed == eager_hidden).float().mean().item()
+            out[f"prefill_{count}_prompts_max_abs_diff"] = (graphed - eager_hidden).abs().max().item()
+        return out
+
     def scaling(self) -> dict:
         """Pure frame step (graph replay + the codes' copy to the host) by batch size, contexts ~100-200."""
         out = {}
@@ -185,6 +260,8 @@ class Bench:
                     s.frames += 1
             for s in seqs:
                 engine.cancel(s.request_id)
+            while not engine.idle():  # decodes queued before the cancels land
+                engine.step()
             out[batch] = dict(frame_step_ms_p50=percentile(times, 50) * 1e3,
                               x_real_time_per_stream=FRAME_S / percentile(times, 50))
         return out

@@ -19,9 +19,10 @@ class TorchFramePath:
     def __init__(self, talker: Talker, cache: SlotKVCache) -> None:
         self.talker, self.cache = talker, cache
 
-    def prefill(self, slots: torch.Tensor, prompts: list[torch.Tensor]) -> torch.Tensor:
-        """Prompts [P_i, H] into their slots [B] as one right-padded batch -> each one's last hidden state [B, H]."""
-        device = slots.device
+    def prefill(self, prompts: list[torch.Tensor], slot_ids: list[int]) -> torch.Tensor:
+        """Prompts [P_i, H] into their slots as one right-padded batch -> each one's last hidden state [B, H]."""
+        device = prompts[0].device
+        slots = torch.tensor(slot_ids, device=device)
         lengths = torch.tensor([p.shape[0] for p in prompts], device=device)
         width = int(lengths.max())
         batch = torch.zeros(len(prompts), width, prompts[0].shape[1], dtype=prompts[0].dtype, device=device)

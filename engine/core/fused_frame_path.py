@@ -1,6 +1,7 @@
 """The engine's fast frame path: the arithmetic of `frame_path.TorchFramePath` with merged projections and Triton
 kernels (`fused_layers`, `kernels/sampling`): ~1,170 launches per frame instead of ~6,500, which is what a graph
-replay costs on the GPU. Prefill is one varlen pass over the prompts' tokens, with no padding.
+replay costs on the GPU. Prefill is one varlen pass over the prompts' tokens, padded to a bucket and replayed as a
+CUDA graph where the runner pads its steps (`prefill_graphs`).
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from engine.core.fused_layers import FusedLayers
 from engine.core.kv_cache import SlotKVCache
+from engine.core.prefill_graphs import PREFILL_BUCKETS, PaddedPrefill
 from engine.kernels.sampling import fused_choose
 from engine.model.talker import Talker
 from engine.reference import BatchSampling
@@ -15,10 +17,17 @@ from engine.sampling import process_talker_logits
 
 
 class FusedFramePath:
-    def __init__(self, talker: Talker, cache: SlotKVCache, rows: int) -> None:
-        """`rows`: the largest batch a step will run (the code predictor keeps a 16-position cache per row)."""
+    def __init__(self, talker: Talker, cache: SlotKVCache, rows: int, scratch_slot: int | None = None,
+                 capture: bool = False) -> None:
+        """`rows`: the largest batch a step will run (the code predictor keeps a 16-position cache per row);
+        `scratch_slot`: pad prefills to token buckets, their padding in this slot (None: no padding); `capture`:
+        replay the padded prefills as CUDA graphs."""
         self.talker, self.cache = talker, cache
         self.talker_layers = FusedLayers(talker.model)
+        padded = scratch_slot is not None
+        self.prefill = PaddedPrefill(self._prefill_tokens, talker.cfg.layers.hidden_size, cache.k.dtype,
+                                     cache.k.device, scratch_slot if padded else cache.shape.slots,
+                                     cache.shape.capacity, PREFILL_BUCKETS if padded else (), capture)
         predictor = talker.code_predictor
         self.predictor_layers = FusedLayers(predictor.model)
         layers = predictor.cfg.layers
@@ -33,13 +42,9 @@ class FusedFramePath:
         self.pair_positions = torch.arange(2, device=device).repeat(rows)
         self.group_positions = torch.arange(predictor.cfg.num_code_groups, device=device)[:, None].repeat(1, rows)
 
-    def prefill(self, slots: torch.Tensor, prompts: list[torch.Tensor]) -> torch.Tensor:
-        """The prompts' tokens as rows of one varlen pass (no padding): each row attends within its own prompt."""
-        lengths = torch.tensor([p.shape[0] for p in prompts])
-        positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(slots.device)
-        rows = torch.repeat_interleave(slots, lengths.to(slots.device))
-        hidden = self.talker_layers(torch.cat(prompts), positions, rows, self.cache.k, self.cache.v)
-        return hidden[(lengths.cumsum(0) - 1).to(slots.device)]
+    def _prefill_tokens(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The prompts' tokens as rows of one varlen pass: each row attends within its own slot."""
+        return self.talker_layers(x, positions, slots, self.cache.k, self.cache.v)
 
     def sample(self, hidden: torch.Tensor, seen: torch.Tensor, frame_index: torch.Tensor, sampling: BatchSampling,
                suppressed: torch.Tensor) -> torch.Tensor:

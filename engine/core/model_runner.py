@@ -1,5 +1,6 @@
 """The model side of a step: the talker's KV slots and per-slot state, the batch tensors of the requests a step runs,
-their prefill, and the frame step on the configured frame path (eager, padded to buckets, or CUDA graphs).
+their prefill, and the frame step on the configured frame path (eager, padded to buckets, or CUDA graphs; the
+fused path pads and graphs its prefills the same way).
 
 The frame step (sample code 0, the 15 code-predictor sub-steps, then one talker token per request) keeps all
 per-request state on the device, so a step needs no host synchronisation inside and one device-to-host copy of its
@@ -56,7 +57,8 @@ class ModelRunner:
         if frame_path == "triton":  # imported here: Triton is only needed (and installed) where it runs
             from engine.core.fused_frame_path import FusedFramePath
 
-            self.frame = FusedFramePath(talker, self.cache, slots)
+            self.frame = FusedFramePath(talker, self.cache, slots, None if step_mode == "eager" else self.scratch_slot,
+                                        capture=step_mode == "graphs")
         else:
             self.frame = TorchFramePath(talker, self.cache)
         # The frame step as the engine runs it: `step` itself, or padded to a bucket (replayed as a CUDA graph).
@@ -86,8 +88,9 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> None:
         """Run the prompts [P_i, H] of newly admitted requests as one batch into their slots."""
-        slot_index = torch.tensor([s.slot for s in seqs], device=self.device)
-        self.last_hidden[slot_index] = self.frame.prefill(slot_index, [s.prompt.prefill for s in seqs])
+        slot_ids = [s.slot for s in seqs]
+        slot_index = torch.tensor(slot_ids, device=self.device)
+        self.last_hidden[slot_index] = self.frame.prefill([s.prompt.prefill for s in seqs], slot_ids)
         self.seen[slot_index] = False
 
     @torch.inference_mode()
