@@ -98,8 +98,8 @@ class Decoding:
     def start(self, seqs: list[Sequence]) -> None:
         """Fresh decoder states for newly admitted requests."""
         with self.overlap.context():  # after any decode still queued for the slot's previous request
+            self.decoders.reset([seq.slot for seq in seqs])
             for seq in seqs:
-                self.decoders.reset(seq.slot)
                 ref_codes = seq.request.voice.ref_codes
                 if ref_codes is not None and ref_codes.shape[0]:
                     # Voice cloning: the reference frames are the decoder's left context, never heard.
