@@ -97,7 +97,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="accepted API key (repeatable; with $VOXGATE_API_KEYS and --api-key-file; none: open)")
     p.add_argument("--api-key-file", type=Path,
                    help="accepted API keys, one a line (# comments): keeps them out of `ps`")
-    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="open WebSocket sessions")
+    p.add_argument("--max-sessions", type=int,
+                   help="open WebSocket sessions (default: 256 on a GPU, as many as the engine's largest batch; 64 on "
+                        "the CPU)")
     p.add_argument("--max-contexts", type=int, default=d.max_contexts, help="open contexts per session")
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="text per context")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="a socket message or HTTP body")
@@ -135,22 +137,23 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--synthetic-frames-per-token", type=float, metavar="X",
                    help="benchmark-only: each utterance ends at exactly ceil(X x its text tokens) frames (a random-"
                         "weight checkpoint never emits EOS); refused for a checkpoint not marked random; None: off")
-    p.add_argument("--chunk-schedule", default="fixed",
-                   help="audio chunk sizes: fixed (1, 1, 2, 4 frames) or lead (by each client's buffer)")
-    p.add_argument("--admission", default="all",
+    p.add_argument("--chunk-schedule",
+                   help="audio chunk sizes: fixed (1, 1, 2, 4 frames) or lead (by each client's buffer); "
+                        "default: lead on a GPU, fixed on the CPU")
+    p.add_argument("--admission",
                    help="all (every ready request is prefilled at once) or protect (a prefill waits, at most "
-                        "0.1 s, while a running stream's buffer is thin)")
+                        "0.1 s, while a running stream's buffer is thin); default: protect on a GPU, all on the CPU")
     p.set_defaults(run=run_serve)
 
 
-def _check_scheduling(chunk_schedule: str, admission: str) -> None:
+def _check_scheduling(chunk_schedule: str | None, admission: str | None) -> None:
     """The engine's names, checked here (its modules import torch, which `voxgate --help` does not wait for)."""
     from engine.core.decoding import CHUNK_SCHEDULES
     from engine.core.scheduler import ADMISSIONS
 
-    if chunk_schedule not in CHUNK_SCHEDULES:
+    if chunk_schedule is not None and chunk_schedule not in CHUNK_SCHEDULES:
         raise VoxgateError(f"--chunk-schedule {chunk_schedule!r}: choose one of {', '.join(CHUNK_SCHEDULES)}")
-    if admission not in ADMISSIONS:
+    if admission is not None and admission not in ADMISSIONS:
         raise VoxgateError(f"--admission {admission!r}: choose one of {', '.join(ADMISSIONS)}")
 
 
@@ -163,7 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms",
                  "max_voice_upload_bytes", "max_stored_voices"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise VoxgateError(f"--{name.replace('_', '-')} must be at least 1")
     if args.idle_timeout <= 0 or args.max_message_rate <= 0 or args.handshake_timeout <= 0:
         raise VoxgateError("--idle-timeout, --handshake-timeout and --max-message-rate must be positive")
@@ -177,7 +180,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     args.idle_timeout, args.send_queue_ms, args.max_message_rate, api_keys(args),
                     tuple(args.allowed_origin), args.handshake_timeout, args.max_connections,
                     max_voice_upload_bytes=args.max_voice_upload_bytes, max_stored_voices=args.max_stored_voices)
-    if connection_cap(limits) <= limits.max_sessions:
+    resolved = limits.for_device(args.device)
+    if connection_cap(resolved) <= resolved.max_sessions:
         raise VoxgateError("--max-connections must be more than --max-sessions")
     if bool(args.llm_url) != bool(args.llm_model):
         raise VoxgateError("--llm-url and --llm-model go together")

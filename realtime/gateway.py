@@ -47,12 +47,20 @@ RESTART_TIMEOUT_S = 300.0  # for each of building and warming up a new engine
 # to the largest. An H100 with the 1.7B model: ~49 GB, 192 slots of 2,048 positions.
 GPU_KV_MEMORY_SHARE = 0.65
 GPU_MAX_SLOTS = 256
+# Scheduling on a GPU: chunks sized by each stream's buffer and prefills held while a running stream's buffer is thin.
+# Under tts_bench at 40 req/s they cut the underrun requests sevenfold (docs/benchmarks.md); on the CPU, where the
+# tiny model runs slower than real time and every buffer is thin, the fixed schedule and plain admission stay.
+GPU_SCHEDULING = ("lead", "protect")
+CPU_MAX_SESSIONS = 64
+# Sessions on a GPU: as many as the engine's largest batch, so every session can speak at once where memory holds the
+# slots; a session is mostly silent (its user speaks, its LLM thinks), and more speaking than slots queue.
+GPU_MAX_SESSIONS = GPU_MAX_SLOTS
 
 
 @dataclass(frozen=True)
 class Limits:
     """Every limit has a default; `voxgate serve --help` documents them."""
-    max_sessions: int = 64
+    max_sessions: int | None = None  # open WebSocket sessions; None: for the device (`for_device`)
     max_contexts: int = 8  # open contexts per session
     max_text_chars: int = 20000  # per context
     max_message_bytes: int = 256 * 1024
@@ -65,6 +73,13 @@ class Limits:
     max_connections: int | None = None  # open TCP connections, HTTP and WebSocket; None: 2 * max_sessions + 64
     max_voice_upload_bytes: int = 16 * 1024 * 1024  # a POST /v1/audio/voices body
     max_stored_voices: int = 1000  # the library's voices per checkpoint
+
+    def for_device(self, device: str) -> Limits:
+        """These limits with the defaults that depend on the device filled in."""
+        if self.max_sessions is not None:
+            return self
+        gpu = device.split(":")[0] == "cuda"  # an invalid device is check_options' to refuse, with its words
+        return replace(self, max_sessions=GPU_MAX_SESSIONS if gpu else CPU_MAX_SESSIONS)
 
 
 @dataclass(frozen=True)
@@ -82,8 +97,8 @@ class GatewayOptions:
     synthetic_frames_per_token: float | None = None  # benchmark-only, random-weight checkpoints (EngineConfig)
     openai_voices: tuple[tuple[str, str], ...] = ()  # (OpenAI voice name, the model's voice): --openai-voice
     data_dir: Path | None = None  # the voice library's directory; None: voices uploaded are kept in memory only
-    chunk_schedule: str = "fixed"  # EngineConfig's: "fixed" | "lead"
-    admission: str = "all"  # EngineConfig's: "all" | "protect"
+    chunk_schedule: str | None = None  # EngineConfig's: "fixed" | "lead"; None: GPU_SCHEDULING on a GPU, else fixed
+    admission: str | None = None  # EngineConfig's: "all" | "protect"; None: GPU_SCHEDULING on a GPU, else all
 
 
 def check_options(options: GatewayOptions) -> None:
@@ -119,7 +134,7 @@ def _check_synthetic_length(frames_per_token: float, model_dir: Path | None) -> 
 class Gateway:
     def __init__(self, options: GatewayOptions) -> None:
         self.options = options
-        self.limits = options.limits
+        self.limits = options.limits.for_device(options.device)
         self.metrics = Metrics()
         self.state = "loading"
         self.failure: str | None = None
@@ -229,8 +244,9 @@ class Gateway:
         """On a GPU the slots fill GPU_KV_MEMORY_SHARE of its free memory, up to GPU_MAX_SLOTS (`--max-batch` sets
         them instead); on the CPU 8."""
         options = self.options
+        schedule, admission = GPU_SCHEDULING if self._gpu() else ("fixed", "all")
         common = dict(synthetic_frames_per_token=options.synthetic_frames_per_token,
-                      chunk_schedule=options.chunk_schedule, admission=options.admission)
+                      chunk_schedule=options.chunk_schedule or schedule, admission=options.admission or admission)
         if self._gpu():
             sized = options.max_batch is None
             return EngineConfig(max_batch=options.max_batch or GPU_MAX_SLOTS,

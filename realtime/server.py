@@ -205,7 +205,7 @@ class _Server(uvicorn.Server):
 def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8000,
                  log_level: str = "info") -> _Server:
     gateway = Gateway(options)
-    limits = options.limits
+    limits = gateway.limits
 
     def protocol(*args: Any, **kwargs: Any) -> GuardedH11Protocol:
         return GuardedH11Protocol(*args, **kwargs, handshake_timeout_s=limits.handshake_timeout_s,

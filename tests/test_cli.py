@@ -203,3 +203,29 @@ def test_serve_scheduling_reaches_the_engine():
 
     config = Gateway(GatewayOptions(chunk_schedule="lead", admission="protect"))._engine_config()
     assert (config.chunk_schedule, config.admission) == ("lead", "protect")
+
+
+def test_scheduling_defaults_fit_the_machine():
+    """Unset, a GPU serves with the lead schedule and protected admission, the CPU (the tiny model slower than real
+    time, every buffer thin) with the fixed schedule; a flag always wins."""
+    from realtime.gateway import GPU_SCHEDULING, Gateway, GatewayOptions
+
+    def scheduling(**options) -> tuple[str, str]:
+        config = Gateway(GatewayOptions(**options))._engine_config()
+        return config.chunk_schedule, config.admission
+
+    assert scheduling() == ("fixed", "all")
+    assert scheduling(device="cuda") == GPU_SCHEDULING == ("lead", "protect")
+    assert scheduling(device="cuda", chunk_schedule="fixed", admission="all") == ("fixed", "all")
+
+
+def test_session_limit_fits_the_device():
+    """Unset, a GPU takes as many sessions as the engine's largest batch (and connections for them), the CPU 64;
+    a flag always wins."""
+    from realtime.gateway import GPU_MAX_SLOTS, Limits
+    from realtime.server import connection_cap
+
+    assert Limits().for_device("cpu").max_sessions == 64
+    gpu = Limits().for_device("cuda:0")
+    assert gpu.max_sessions == GPU_MAX_SLOTS == 256 and connection_cap(gpu) == 2 * 256 + 64
+    assert Limits(max_sessions=10).for_device("cuda").max_sessions == 10
