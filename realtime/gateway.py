@@ -25,6 +25,7 @@ from engine.prompt import Voice
 from engine.request import Finished, SynthesisRequest, SyntheticLength, check_frames_per_token
 from engine.sampling import SamplingParams
 from engine.serving.async_engine import AsyncEngine
+from engine.serving.heap import freeze_long_lived, thaw
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
 from realtime.lexicon import Lexicon, LexiconStore
@@ -181,6 +182,7 @@ class Gateway:
             self.state = "warming up"
             log.info("warming up")
             await self._warm_up()
+            freeze_long_lived()
             self.state = "ready"
             log.info("ready in %.1f s", time.perf_counter() - started)
             self._spawn(self._watch())
@@ -307,8 +309,10 @@ class Gateway:
     async def _restart_engine(self, error: EngineFailed) -> None:
         try:
             await self.engine.stop()
+            thaw()  # the failed engine's objects can go
             await asyncio.wait_for(self._start_engine(), RESTART_TIMEOUT_S)
             await asyncio.wait_for(self._warm_up(), RESTART_TIMEOUT_S)
+            freeze_long_lived()
         except Exception as failure:
             self._fatal(f"the engine failed ({error}) and so did its restart: {type(failure).__name__}: {failure}")
             return
@@ -359,5 +363,6 @@ class Gateway:
             task.cancel()
         if self.engine is not None:
             await self.engine.stop()
+        thaw()
         if self.library is not None and self.library.store is not None:
             self.library.store.close()

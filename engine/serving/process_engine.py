@@ -28,6 +28,7 @@ from engine.core.engine import Engine, EngineConfig
 from engine.errors import EngineFailed, SynthesisFailed
 from engine.request import Event, Finished
 from engine.serving.async_engine import FrontEnd
+from engine.serving.heap import freeze_long_lived
 from engine.serving.step_loop import Command, StepLoop
 from engine.tts import TTSModel
 
@@ -145,6 +146,7 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
     except Exception as failure:  # reported to the parent, whose readiness turns it into a 503
         conn.send(("failed", EngineFailed(f"{type(failure).__name__}: {failure}")))
         return
+    freeze_long_lived()  # this process lives as long as its engine
     conn.send(("ready", engine.slots))
     try:
         StepLoop(engine, _PipeInbox(conn), _PipeOutbox(conn)).run()
