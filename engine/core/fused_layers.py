@@ -3,8 +3,9 @@ projections and fused Triton kernels over a slot cache.
 
 Per block: RMSNorm (fused with the previous residual add), one QKV matmul, one kernel for q/k norm + RoPE + the
 cache write, varlen attention, the output matmul, add + RMSNorm, one gate/up matmul, SwiGLU, the down matmul:
-9 launches instead of ~45; 8 in a decode step, where one kernel does the norm, RoPE, cache write and attention. The merged weights are the module's own storage (its q/k/v and gate/up parameters
-become views into them), so the simple path keeps working on the same memory.
+9 launches instead of ~45; 8 in a decode step, where one kernel does the norm, RoPE, cache write and attention.
+The merged weights are the module's own storage (its q/k/v and gate/up parameters become views into them), so the
+simple path keeps working on the same memory.
 """
 from __future__ import annotations
 
