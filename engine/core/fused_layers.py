@@ -3,9 +3,8 @@ projections and fused Triton kernels over a slot cache.
 
 Per block: RMSNorm (fused with the previous residual add), one QKV matmul, one kernel for q/k norm + RoPE + the
 cache write, varlen attention, the output matmul, add + RMSNorm, one gate/up matmul, SwiGLU, the down matmul:
-9 launches instead of ~45; 8 in a decode step, where one kernel does the norm, RoPE, cache write and attention.
-The merged weights are the module's own storage (its q/k/v and gate/up parameters become views into them), so the
-simple path keeps working on the same memory.
+9 launches instead of ~45. The merged weights are the module's own storage (its q/k/v and gate/up parameters
+become views into them), so the simple path keeps working on the same memory.
 """
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.attention import norm_rope_attention, varlen_attention
+from engine.kernels.attention import varlen_attention
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.model.layers import TransformerBlock, TransformerStack
 
@@ -51,26 +50,22 @@ class FusedLayers:
         self.inv_freq = stack.rotary.inv_freq(stack.norm.weight.device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, decode: bool = False) -> torch.Tensor:
+                 v_cache: torch.Tensor) -> torch.Tensor:
         """x [N, H] (consumed: it becomes the residual), one token per row at positions [N] of cache slots
         [N]; caches [layers, slots, Hkv, capacity, D]. Returns the final-normed hidden states [N, H].
 
         Several rows may share a slot (a prefill): every row's key is stored before any row attends, and each row
-        sees its slot's positions up to its own. `decode`: every row has a slot of its own (rows that share one
-        only as padding, whose output nobody reads), so each block stores and attends in one kernel, bit for bit
-        the same."""
+        sees its slot's positions up to its own."""
         lengths = positions + 1
         norms = [merged.layer.input_layernorm.weight for merged in self.layers[1:]] + [self.stack.norm.weight]
         normed = add_rms_norm(x, None, self.layers[0].layer.input_layernorm.weight, self.eps)
         for index, (merged, next_norm) in enumerate(zip(self.layers, norms)):
             layer = merged.layer
             attention = layer.self_attn
-            args = (F.linear(normed, merged.qkv, merged.qkv_bias), attention.q_norm.weight, attention.k_norm.weight,
-                    self.inv_freq, positions, slots, k_cache[index], v_cache[index], self.q_heads, self.eps)
-            if decode:
-                attended = norm_rope_attention(*args)
-            else:
-                attended = varlen_attention(qk_norm_rope_store(*args), k_cache[index], v_cache[index], slots, lengths)
+            queries = qk_norm_rope_store(F.linear(normed, merged.qkv, merged.qkv_bias), attention.q_norm.weight,
+                                         attention.k_norm.weight, self.inv_freq, positions, slots, k_cache[index],
+                                         v_cache[index], self.q_heads, self.eps)
+            attended = varlen_attention(queries, k_cache[index], v_cache[index], slots, lengths)
             normed = add_rms_norm(x, attention.o_proj(attended.view(x.shape[0], -1)),
                                   layer.post_attention_layernorm.weight, self.eps)
             normed = add_rms_norm(x, layer.mlp.down_proj(silu_mul(F.linear(normed, merged.gate_up))), next_norm,

@@ -45,62 +45,43 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
 
 
 @triton.jit
-def _rope_cos_sin(inv_freq_ptr, position, dims, DTYPE: tl.constexpr):
-    """cos and sin of a position's RoPE angles over the first half of a head, rounded as the reference's tables."""
-    angle = position.to(tl.float32) * tl.load(inv_freq_ptr + dims)
-    return _rounded(tl.cos(angle), DTYPE), _rounded(tl.sin(angle), DTYPE)
-
-
-@triton.jit
-def _norm_rope(source, w1, w2, cos, sin, dims, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-               DTYPE: tl.constexpr):
-    """One head of the qkv row at `source`: RMSNorm (weight halves w1, w2) then RoPE, as the two halves of the rotated
-    head in the model dtype. The one implementation of this math, shared by the prefill and the decode kernels so
-    that both round alike."""
-    x1 = tl.load(source + dims).to(tl.float32)
-    x2 = tl.load(source + HALF + dims).to(tl.float32)
-    inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
-    x1 = _rounded(w1 * _rounded(x1 * inv_rms, DTYPE), DTYPE)
-    x2 = _rounded(w2 * _rounded(x2 * inv_rms, DTYPE), DTYPE)
-    out1 = _rounded(_rounded(x1 * cos, DTYPE) + _rounded(-x2 * sin, DTYPE), DTYPE).to(DTYPE)
-    out2 = _rounded(_rounded(x2 * cos, DTYPE) + _rounded(x1 * sin, DTYPE), DTYPE).to(DTYPE)
-    return out1, out2
-
-
-@triton.jit
-def _store_key_value(k_cache_ptr, v_cache_ptr, cache, key1, key2, value_source, dims, HALF: tl.constexpr):
-    """Write a rotated key (its halves) and the value head at `value_source` at offset `cache` of the caches."""
-    tl.store(k_cache_ptr + cache + dims, key1)
-    tl.store(k_cache_ptr + cache + HALF + dims, key2)
-    tl.store(v_cache_ptr + cache + dims, tl.load(value_source + dims))
-    tl.store(v_cache_ptr + cache + HALF + dims, tl.load(value_source + HALF + dims))
-
-
-@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, inv_freq_ptr, positions_ptr, slots_ptr,
                          q_out_ptr, k_cache_ptr, v_cache_ptr,
                          stride_qkv, stride_cs, stride_ch, stride_cc, eps,
                          Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)  # query heads first, then key heads (each also moves its value head)
+    half = HALF
     dims = tl.arange(0, HALF)
     dtype = q_out_ptr.dtype.element_ty
     is_query = head < Q_HEADS
     source = qkv_ptr + row * stride_qkv + head * HEAD_DIM
+    x1 = tl.load(source + dims).to(tl.float32)
+    x2 = tl.load(source + half + dims).to(tl.float32)
+    inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
     w1 = tl.where(is_query, tl.load(q_norm_ptr + dims), tl.load(k_norm_ptr + dims)).to(tl.float32)
-    w2 = tl.where(is_query, tl.load(q_norm_ptr + HALF + dims), tl.load(k_norm_ptr + HALF + dims)).to(tl.float32)
-    position = tl.load(positions_ptr + row)
-    cos, sin = _rope_cos_sin(inv_freq_ptr, position, dims, dtype)
-    out1, out2 = _norm_rope(source, w1, w2, cos, sin, dims, eps, HEAD_DIM, HALF, dtype)
+    w2 = tl.where(is_query, tl.load(q_norm_ptr + half + dims), tl.load(k_norm_ptr + half + dims)).to(tl.float32)
+    x1 = _rounded(w1 * _rounded(x1 * inv_rms, dtype), dtype)
+    x2 = _rounded(w2 * _rounded(x2 * inv_rms, dtype), dtype)
+    angle = tl.load(positions_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + dims)
+    cos = _rounded(tl.cos(angle), dtype)
+    sin = _rounded(tl.sin(angle), dtype)
+    out1 = _rounded(_rounded(x1 * cos, dtype) + _rounded(-x2 * sin, dtype), dtype).to(dtype)
+    out2 = _rounded(_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype), dtype).to(dtype)
     if is_query:
         target = q_out_ptr + (row * Q_HEADS + head) * HEAD_DIM
         tl.store(target + dims, out1)
-        tl.store(target + HALF + dims, out2)
+        tl.store(target + half + dims, out2)
     else:
         kv_head = head - Q_HEADS
+        position = tl.load(positions_ptr + row)
         cache = tl.load(slots_ptr + row) * stride_cs + kv_head * stride_ch + position * stride_cc
+        tl.store(k_cache_ptr + cache + dims, out1)
+        tl.store(k_cache_ptr + cache + half + dims, out2)
         kv_heads = tl.num_programs(1) - Q_HEADS
-        _store_key_value(k_cache_ptr, v_cache_ptr, cache, out1, out2, source + kv_heads * HEAD_DIM, dims, HALF)
+        value = source + kv_heads * HEAD_DIM
+        tl.store(v_cache_ptr + cache + dims, tl.load(value + dims))
+        tl.store(v_cache_ptr + cache + half + dims, tl.load(value + half + dims))
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, inv_freq: torch.Tensor,
