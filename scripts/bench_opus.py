@@ -4,7 +4,7 @@ where the rate is not the model's, framing, libopus) on speech-like audio, for e
 Cost is CPU microseconds per second of audio (the thread's CPU time): 10,000 us/s is 1% of a core per real-time
 stream, and 1e6 / cost the streams one core keeps up with. Threads: the same work on N threads at once, each its own
 streams, as the gateway's encoder threads run; if the ctypes calls into libopus release the GIL (they should) the
-throughput grows with the cores. Quality per complexity: the stream decoded by libopus, aligned by the encoder's
+throughput grows with the free cores, and a probe thread keeps running beside an encoding one (`gil_probe`). Quality per complexity: the stream decoded by libopus, aligned by the encoder's
 lookahead, against the input: SNR (of the waveform, which Opus's speech modes need not keep) and the log-spectral
 distance (dB, speech frames only; nearer what a listener hears). No audio files here: the input is synthetic
 speech (`speech_like`), deterministic. Prints one JSON object (docs/benchmarks.md, "Opus encoder cost per stream").
@@ -229,6 +229,42 @@ def thread_rows(samples: np.ndarray, thread_counts: list[int], complexity: int, 
     return rows
 
 
+def gil_probe(samples: np.ndarray, seconds: float = 1.0) -> dict[str, dict[str, float]]:
+    """Does a thread in libopus let the others run? A probe thread sleeps 0.2 ms again and again while another thread
+    works: its wake-ups per second and how late they come (ms, p50 / p95), beside nothing, beside libopus encoding
+    60 ms packets at complexity 10 (~2 ms a call, the longest it makes), and beside sorting a list of floats (a C call
+    that holds the GIL for ~3 ms: the control). Unlike the thread throughput it holds on a busy machine."""
+    rate, size = 48000, 2880
+    pcm = to_int16(soxr.resample(samples, MODEL_SAMPLE_RATE, rate, "HQ"))
+    packets = [pcm[at:at + size].tobytes() for at in range(0, len(pcm) - size + 1, size)][:25]
+    encoder = opuslib.Encoder(rate, 1, opuslib.APPLICATION_AUDIO)
+    encoder.complexity, encoder.bitrate = 10, 24000
+    floats = np.random.default_rng(0).random(20000).tolist()
+    works = {"idle": lambda: time.sleep(0.01), "opus_encode": lambda: [encoder.encode(p, size) for p in packets],
+             "gil_holding_sort": lambda: sorted(floats)}
+    report = {}
+    for name, work in works.items():
+        stop, late = threading.Event(), []
+
+        def probe(stop=stop, late=late) -> None:
+            while not stop.is_set():
+                started = time.perf_counter()
+                time.sleep(0.0002)
+                late.append(time.perf_counter() - started - 0.0002)
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            work()
+        stop.set()
+        thread.join()
+        ms = np.array(late) * 1e3
+        report[name] = {"wakeups_per_s": round(len(ms) / seconds), "late_ms_p50": round(float(np.percentile(ms, 50)), 3),
+                        "late_ms_p95": round(float(np.percentile(ms, 95)), 3)}
+    return report
+
+
 def machine() -> dict:
     version = opuslib.api.libopus.opus_get_version_string
     version.restype = ctypes.c_char_p
@@ -259,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": machine(), "seconds": args.seconds, "bitrate": args.bitrate, "frame_ms": 20,
               "gateway_complexity": OPUS_COMPLEXITY, "chunk_samples": CHUNK_SAMPLES,
               "cost": cost_rows(samples, args.rates, args.complexities, args.repeats, args.bitrate),
-              "threads": thread_rows(samples, args.threads, args.thread_complexity, args.bitrate)}
+              "threads": thread_rows(samples, args.threads, args.thread_complexity, args.bitrate),
+              "gil": gil_probe(samples)}
     print(json.dumps(report, indent=1))
     return 0
 

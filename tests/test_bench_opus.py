@@ -1,5 +1,5 @@
 """scripts/bench_opus.py: its synthetic speech (deterministic, speech-shaped), its quality measures (a clean copy
-scores perfectly, a damaged one does not) and a short real run's report."""
+scores perfectly, a damaged one does not) and a short real run's report (libopus runs outside the GIL)."""
 from __future__ import annotations
 
 import json
@@ -51,3 +51,5 @@ def test_a_short_run_reports_cost_quality_and_threads():
         assert 10 < row["kbit_s"] < 40 and row["snr_db"] > 5 and row["lsd_db"] < 10
     assert [row["threads"] for row in report["threads"]] == [1, 2]
     assert all(row["stream_encoder_audio_s_per_wall_s"] > 0 for row in report["threads"])
+    gil = report["gil"]  # a thread in libopus lets the probe run; one that holds the GIL does not
+    assert gil["opus_encode"]["wakeups_per_s"] > 3 * gil["gil_holding_sort"]["wakeups_per_s"], gil
