@@ -69,7 +69,8 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def ready(request: Request) -> Response:
         is_ready, reason = gateway.readiness()
-        return JSONResponse({"ready": is_ready, "status": reason}, status_code=200 if is_ready else 503)
+        return JSONResponse({"ready": is_ready, "status": reason, **gateway.capacity()},
+                            status_code=200 if is_ready else 503)
 
     async def metrics(request: Request) -> Response:
         """Prometheus text, or OpenMetrics when the Accept header asks for it."""

@@ -98,8 +98,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", type=Path,
                    help="accepted API keys, one a line (# comments): keeps them out of `ps`")
     p.add_argument("--max-sessions", type=int,
-                   help="open WebSocket sessions (default: 256 on a GPU, as many as the engine's largest batch; 64 on "
-                        "the CPU)")
+                   help="open WebSocket sessions (default: one per engine slot, at least 64; the log and /ready say "
+                        "how many)")
     p.add_argument("--max-contexts", type=int, default=d.max_contexts, help="open contexts per session")
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="text per context")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="a socket message or HTTP body")
@@ -159,9 +159,9 @@ def _check_scheduling(chunk_schedule: str | None, admission: str | None) -> None
 
 def run_serve(args: argparse.Namespace) -> int:
     """The gateway until it stops; a non-zero status when it failed for good (the model did not load)."""
-    from realtime.gateway import GatewayOptions, Limits
+    from realtime.gateway import MIN_SESSIONS, GatewayOptions, Limits
     from realtime.llm import LLMConfig
-    from realtime.server import connection_cap, serve
+    from realtime.server import serve
     from realtime.voices import CloneVoice, parse_openai_voice
 
     for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms",
@@ -180,8 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     args.idle_timeout, args.send_queue_ms, args.max_message_rate, api_keys(args),
                     tuple(args.allowed_origin), args.handshake_timeout, args.max_connections,
                     max_voice_upload_bytes=args.max_voice_upload_bytes, max_stored_voices=args.max_stored_voices)
-    resolved = limits.for_device(args.device)
-    if connection_cap(resolved) <= resolved.max_sessions:
+    if limits.max_connections is not None and limits.max_connections <= (limits.max_sessions or MIN_SESSIONS):
         raise VoxgateError("--max-connections must be more than --max-sessions")
     if bool(args.llm_url) != bool(args.llm_model):
         raise VoxgateError("--llm-url and --llm-model go together")

@@ -52,16 +52,17 @@ GPU_MAX_SLOTS = 256
 # Under tts_bench at 40 req/s they cut the underrun requests sevenfold (docs/benchmarks.md); on the CPU, where the
 # tiny model runs slower than real time and every buffer is thin, the fixed schedule and plain admission stay.
 GPU_SCHEDULING = ("lead", "protect")
-CPU_MAX_SESSIONS = 64
-# Sessions on a GPU: as many as the engine's largest batch, so every session can speak at once where memory holds the
-# slots; a session is mostly silent (its user speaks, its LLM thinks), and more speaking than slots queue.
-GPU_MAX_SESSIONS = GPU_MAX_SLOTS
+# Sessions, unless --max-sessions says: one per engine slot, at least MIN_SESSIONS (the CPU's 8 slots keep 64). A
+# session speaks one context at a time in practice (it may open max_contexts, each one utterance at a time), so every
+# session can speak at once without waiting for a slot; one more would wait seconds, for a slot to free, for its
+# first audio, where a refusal at connect lets the client go elsewhere.
+MIN_SESSIONS = 64
 
 
 @dataclass(frozen=True)
 class Limits:
     """Every limit has a default; `voxgate serve --help` documents them."""
-    max_sessions: int | None = None  # open WebSocket sessions; None: for the device (`for_device`)
+    max_sessions: int | None = None  # open WebSocket sessions; None: for the engine's slots (`for_slots`)
     max_contexts: int = 8  # open contexts per session
     max_text_chars: int = 20000  # per context
     max_message_bytes: int = 256 * 1024
@@ -75,12 +76,20 @@ class Limits:
     max_voice_upload_bytes: int = 16 * 1024 * 1024  # a POST /v1/audio/voices body
     max_stored_voices: int = 1000  # the library's voices per checkpoint
 
-    def for_device(self, device: str) -> Limits:
-        """These limits with the defaults that depend on the device filled in."""
+    @property
+    def connection_cap(self) -> int:
+        """Room for every session plus its HTTP traffic, so that the cap only bites on connections nobody uses."""
+        return self.max_connections if self.max_connections is not None else 2 * self.max_sessions + 64
+
+    def for_slots(self, slots: int) -> Limits:
+        """These limits with the session limit filled in for an engine of `slots` (MIN_SESSIONS says why), below an
+        explicit connection cap (which the command line checks is above MIN_SESSIONS)."""
         if self.max_sessions is not None:
             return self
-        gpu = device.split(":")[0] == "cuda"  # an invalid device is check_options' to refuse, with its words
-        return replace(self, max_sessions=GPU_MAX_SESSIONS if gpu else CPU_MAX_SESSIONS)
+        sessions = max(MIN_SESSIONS, slots)
+        if self.max_connections is not None:
+            sessions = min(sessions, self.max_connections - 1)
+        return replace(self, max_sessions=sessions)
 
 
 @dataclass(frozen=True)
@@ -135,7 +144,7 @@ def _check_synthetic_length(frames_per_token: float, model_dir: Path | None) -> 
 class Gateway:
     def __init__(self, options: GatewayOptions) -> None:
         self.options = options
-        self.limits = options.limits.for_device(options.device)
+        self.limits = options.limits.for_slots(0)  # until the engine is built: sessions wait for /ready anyway
         self.metrics = Metrics()
         self.state = "loading"
         self.failure: str | None = None
@@ -235,6 +244,9 @@ class Gateway:
             engine = await asyncio.to_thread(self._build_engine)
             self.engine = AsyncEngine(engine, on_step=self.metrics.on_step, on_failure=self._engine_failed)
             self.engine.start()
+        self.limits = self.options.limits.for_slots(self.engine.slots)
+        log.info("engine: %d slots; at most %d WebSocket sessions and %d connections", self.engine.slots,
+                 self.limits.max_sessions, self.limits.connection_cap)
 
     def _build_engine(self) -> Engine:
         engine = Engine(self.tts, self._engine_config())
@@ -274,6 +286,11 @@ class Gateway:
         if self.shutting_down:
             return False, "shutting down"
         return True, "ready"
+
+    def capacity(self) -> dict[str, int | None]:
+        """What the server holds at once, for operators (/ready): the session limit follows the engine's slots."""
+        return {"engine_slots": self.engine.slots if self.engine is not None else None,
+                "max_sessions": self.limits.max_sessions, "max_connections": self.limits.connection_cap}
 
     def healthy(self) -> bool:
         """False once the gateway has failed for good (its server is draining to exit)."""

@@ -20,7 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.errors import VoxgateError
 from realtime.app import WEB_DIR, create_app, drain_sessions
-from realtime.gateway import Gateway, GatewayOptions, Limits, check_options
+from realtime.gateway import Gateway, GatewayOptions, check_options
 
 # uvicorn's legacy websockets protocol, on purpose: its sans-I/O one (uvicorn 0.54) closes the TCP connection right
 # after the 1009 close frame of an oversized message while the client is still sending, so the client gets a reset
@@ -78,11 +78,6 @@ LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "voxgat
 _OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
                   b"content-length: 26\r\nconnection: close\r\n\r\ntoo many open connections\n")
 _QUERY_PARAM = re.compile(r"([?&;])([^=&;#\s\"']*)=([^&;#\s\"']*)")
-
-
-def connection_cap(limits: Limits) -> int:
-    """Room for every session plus its HTTP traffic, so that the cap only bites on connections nobody uses."""
-    return limits.max_connections if limits.max_connections is not None else 2 * limits.max_sessions + 64
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -208,8 +203,9 @@ def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8
     limits = gateway.limits
 
     def protocol(*args: Any, **kwargs: Any) -> GuardedH11Protocol:
+        # the gateway's limits of now: the session limit, and the connection cap with it, follow the engine's slots
         return GuardedH11Protocol(*args, **kwargs, handshake_timeout_s=limits.handshake_timeout_s,
-                                  max_connections=connection_cap(limits))
+                                  max_connections=gateway.limits.connection_cap)
 
     config = uvicorn.Config(create_app(gateway), host=host, port=port, log_level=log_level, http=protocol,
                             ws=SharedDrainWebSocketProtocol, ws_max_size=limits.max_message_bytes,

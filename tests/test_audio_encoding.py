@@ -13,7 +13,7 @@ import soundfile
 import soxr
 
 from realtime.audio.containers import body_encoder, format_available
-from realtime.audio.encoders import StreamEncoder
+from realtime.audio.encoders import OPUS_COMPLEXITY, StreamEncoder
 from realtime.audio.formats import (
     DEFAULT_RATES,
     HTTP_FORMATS,
@@ -25,6 +25,7 @@ from realtime.audio.formats import (
     to_int16,
 )
 from realtime.audio.mulaw import mulaw_decode, mulaw_encode
+from scripts.bench_opus import quality, speech_like
 
 LENGTH = int(1.234 * MODEL_SAMPLE_RATE)  # not a whole number of frames at any rate
 
@@ -151,6 +152,36 @@ def test_opus_packets_follow_the_bitrate() -> None:
         _, frames = stream(AudioFormat(bitrate=bitrate), [samples])
         sizes[bitrate] = sum(len(f.payload) for f in frames) * 8 / 2  # bit/s
     assert sizes[6000] < 12000 < 32000 < sizes[64000]
+
+
+# speech through the gateway's Opus at 24 kbit/s keeps at least this (at complexity 5: ~19 dB and ~5.7 dB; at 0,
+# ~16.7 dB and ~6.2 dB; scripts/bench_opus.py)
+SPEECH_SNR_FLOOR_DB = 17.0
+SPEECH_LSD_CEILING_DB = 6.5
+
+
+def test_opus_encodes_at_the_gateways_complexity():
+    """The chosen complexity (docs/benchmarks.md, "Opus encoder cost per stream (CPU)"), not libopus's default 9."""
+    assert OPUS_COMPLEXITY == 5
+    assert StreamEncoder(AudioFormat())._opus.complexity == OPUS_COMPLEXITY
+    assert StreamEncoder(AudioFormat("opus", 48000), complexity=10)._opus.complexity == 10
+
+
+@pytest.mark.parametrize("rate", [24000, 48000])
+def test_speech_keeps_its_quality_at_the_gateways_complexity(rate: int) -> None:
+    """Synthetic speech decodes above the quality floor; the floor means something: the same speech at 12 kbit/s
+    falls below it."""
+    speech = speech_like(3.0)
+
+    def scores(bitrate: int) -> dict[str, float]:
+        encoder, frames = stream(AudioFormat("opus", rate, 20, bitrate), random_pieces(speech, seed=rate))
+        decoded = np.concatenate(decode_opus(frames, rate)).astype(np.float32) / 32768
+        return quality(speech, decoded, rate, encoder.pre_skip)
+
+    kept = scores(24000)
+    assert kept["snr_db"] > SPEECH_SNR_FLOOR_DB and kept["lsd_db"] < SPEECH_LSD_CEILING_DB, kept
+    starved = scores(12000)
+    assert starved["snr_db"] < SPEECH_SNR_FLOOR_DB and starved["lsd_db"] > SPEECH_LSD_CEILING_DB, starved
 
 
 # --- pcm and mu-law --------------------------------------------------------------------------------------------

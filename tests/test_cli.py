@@ -129,6 +129,7 @@ def test_serve_runs_the_readme_command_and_stops_cleanly():
     assert server.returncode == 0, output
     assert "Finished server process" in output and "Traceback" not in output
     assert "loading the model" in output and "warming up" in output and "ready in" in output
+    assert "engine: 8 slots; at most 64 WebSocket sessions and 192 connections" in output  # the CPU keeps 64
 
 
 def test_serve_refuses_bad_limits():
@@ -219,13 +220,19 @@ def test_scheduling_defaults_fit_the_machine():
     assert scheduling(device="cuda", chunk_schedule="fixed", admission="all") == ("fixed", "all")
 
 
-def test_session_limit_fits_the_device():
-    """Unset, a GPU takes as many sessions as the engine's largest batch (and connections for them), the CPU 64;
-    a flag always wins."""
-    from realtime.gateway import GPU_MAX_SLOTS, Limits
-    from realtime.server import connection_cap
+def test_session_limit_follows_the_engine_slots():
+    """Unset, one session per engine slot and at least 64 (the CPU's 8 slots keep 64), connections with them, below an
+    explicit connection cap; an explicit limit always wins."""
+    from realtime.gateway import MIN_SESSIONS, Limits
 
-    assert Limits().for_device("cpu").max_sessions == 64
-    gpu = Limits().for_device("cuda:0")
-    assert gpu.max_sessions == GPU_MAX_SLOTS == 256 and connection_cap(gpu) == 2 * 256 + 64
-    assert Limits(max_sessions=10).for_device("cuda").max_sessions == 10
+    assert MIN_SESSIONS == 64 and Limits().for_slots(8).max_sessions == 64
+    gpu = Limits().for_slots(192)
+    assert gpu.max_sessions == 192 and gpu.connection_cap == 2 * 192 + 64
+    assert Limits(max_connections=100).for_slots(192).max_sessions == 99
+    assert Limits(max_sessions=10).for_slots(192).max_sessions == 10
+
+
+def test_max_connections_must_exceed_the_smallest_session_limit():
+    """Unset, the session limit is never below 64, so a connection cap of 64 or less is refused at once."""
+    run = voxgate("serve", "--max-connections", "64")
+    assert run.returncode == 2 and "--max-connections must be more than --max-sessions" in run.stderr

@@ -1,9 +1,11 @@
-"""Limits of a session on a real server: idle timeout, message rate, the Origin allow-list, and readiness turning
-503 when the engine fails."""
+"""Limits of a session on a real server: idle timeout, message rate, the Origin allow-list, readiness turning 503
+when the engine fails, and the session and connection limits following the engine's slots."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 
 import pytest
 from websockets.asyncio.client import connect
@@ -92,3 +94,36 @@ def test_shutdown_finishes_or_cancels_contexts_and_closes_with_1001():
                 assert ("context.cancelled", "open", "shutdown") in kinds
                 assert kinds[-1][0] == "session.closed" and code == 1001
         asyncio.run(go())
+
+
+def test_session_and_connection_limits_follow_the_engine_slots():
+    """Unset, the session limit is the engine's slots once they are more than 64 (a GPU-sized engine; --max-batch is
+    the CPU's way to get them), the connection cap 2 x that + 64 with it; /ready says so. The last session and the
+    last connection the limits allow are let in, the next one is refused."""
+    slots = 70
+    with running_server(max_batch=slots) as server:
+        capacity = json.loads(server.get("/ready")[1])
+        assert capacity == {"ready": True, "status": "ready", "engine_slots": slots, "max_sessions": slots,
+                            "max_connections": 2 * slots + 64}
+
+        async def sessions() -> None:
+            async with contextlib.AsyncExitStack() as opened:
+                for _ in range(slots):
+                    ws = await opened.enter_async_context(connect(server.ws))
+                    assert json.loads(await ws.recv())["type"] == "session.started"
+                async with connect(server.ws) as refused:
+                    events, code = await closing_events(refused)
+                    assert code == 1013 and events[-1]["code"] == "overloaded"
+                    assert f"maximum of {slots} sessions" in events[-1]["message"]
+        asyncio.run(sessions())
+
+        host, port = server.http.removeprefix("http://").split(":")
+        sockets = [socket.create_connection((host, int(port)), timeout=5) for _ in range(2 * slots + 64)]
+        try:
+            with socket.create_connection((host, int(port)), timeout=5) as over:
+                assert over.recv(4096).startswith(b"HTTP/1.1 503")
+            sockets[-1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sockets[-1].recv(4096).startswith(b"HTTP/1.1 200")
+        finally:
+            for sock in sockets:
+                sock.close()

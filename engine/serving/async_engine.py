@@ -58,12 +58,13 @@ class FrontEnd:
     """Requests in from the event loop, as commands for the step loop; the step loop's reports (its `Outbox`) back
     from its thread, each request's events to its `RequestHandle`. Subclasses carry the commands (`_send`)."""
 
-    def __init__(self, tts: TTSModel, capacity: int, on_step: Callable[[float, int], None] | None,
+    def __init__(self, tts: TTSModel, slots: int, max_waiting: int, on_step: Callable[[float, int], None] | None,
                  on_failure: Callable[[EngineFailed], None] | None) -> None:
         """`on_step(seconds, batch)` is called after every step (metrics), `on_failure(error)` on the event loop
         once the engine has failed (not when it is stopped)."""
         self.tts = tts
-        self.capacity = capacity  # requests open at once: the engine's slots and its waiting room
+        self.slots = slots  # requests running at once (a GPU-sized engine's, known once it is built)
+        self.max_waiting = max_waiting
         self.on_step = on_step
         self.on_failure = on_failure
         self.error: EngineFailed | None = None
@@ -73,6 +74,11 @@ class FrontEnd:
         self._next_id = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error_lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        """Requests open at once: the engine's slots and its waiting room."""
+        return self.slots + self.max_waiting
 
     @property
     def active(self) -> int:
@@ -170,7 +176,7 @@ class AsyncEngine(FrontEnd):
 
     def __init__(self, engine: Engine, on_step: Callable[[float, int], None] | None = None,
                  on_failure: Callable[[EngineFailed], None] | None = None) -> None:
-        super().__init__(engine.tts, engine.slots + engine.config.max_waiting, on_step, on_failure)
+        super().__init__(engine.tts, engine.slots, engine.config.max_waiting, on_step, on_failure)
         self.engine = engine
         self._inbox = _ThreadInbox()
         self._thread: threading.Thread | None = None

@@ -52,7 +52,7 @@ class ProcessEngine(FrontEnd):
     def __init__(self, spec: EngineSpec, tts: TTSModel, on_step: Callable[[float, int], None] | None = None,
                  on_failure: Callable[[EngineFailed], None] | None = None) -> None:
         """`tts`: the parent's model, which validates submits (the child loads its own from `spec`)."""
-        super().__init__(tts, spec.config.max_batch + spec.config.max_waiting, on_step, on_failure)
+        super().__init__(tts, spec.config.max_batch, spec.config.max_waiting, on_step, on_failure)
         self.spec = spec
         self._outgoing: queue.SimpleQueue[Command | str | None] = queue.SimpleQueue()  # the loop never blocks on it
         self._conn: Connection | None = None
@@ -119,7 +119,7 @@ class ProcessEngine(FrontEnd):
                 if kind in FORWARDED:
                     getattr(self, kind)(*args)
                 elif kind == "ready":
-                    self.capacity = args[0] + self.spec.config.max_waiting
+                    self.slots = args[0]
                     self._ready.set()
                 elif kind == "stopped":
                     return
