@@ -2,7 +2,9 @@
 contexts one after another whose text arrives like an LLM's answer (first token after 100-300 ms, then LOW-HIGH
 tokens/s in pieces of 1-4 words), for a fixed duration. Prints one JSON report: client-side TTFA (from the first
 append), the server's own `ttfa_ms`, the share of contexts that never underran in a simulated player, and errors by
-code.
+code. `--processes P` spreads the sessions over P client processes: one Python process reads ~10,000 audio
+messages a second at most, so past ~64 sessions a single one falls behind and the server closes its sessions as
+slow consumers.
 
 Open loop (`--mode open`): requests arrive at Poisson times (`--rate` per second for `--duration` s), each its own
 task, whatever the others are doing: `--traffic http` streams `POST /v1/audio/speech` as raw PCM (what nari-labs'
@@ -15,6 +17,7 @@ CPU: a table on stderr, one JSON line on stdout (docs/benchmarks.md, "Open loop"
 thread beside the load generator's, so on a small CPU the two compete: use a separate server for real numbers.
     python scripts/bench_gateway.py --serve --sessions 4 --duration 20
     python scripts/bench_gateway.py --url ws://HOST:8000/v1/tts/stream --api-key KEY --sessions 40 --token-rate 5-10
+    python scripts/bench_gateway.py --url ws://HOST:8000/v1/tts/stream --sessions 256 --processes 8
     python scripts/bench_gateway.py --url ws://HOST:8000/v1/tts/stream --mode open --traffic http --rate 10
 """
 from __future__ import annotations
@@ -32,7 +35,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -142,6 +147,16 @@ class Stats:
             if result.done["metrics"].get("ttfa_ms") is not None:
                 self.server_ttfa_ms.append(result.done["metrics"]["ttfa_ms"])
 
+    def merge(self, other: Stats) -> None:
+        """Another client process's share, added to this one."""
+        self.contexts += other.contexts
+        self.done += other.done
+        self.audio_s += other.audio_s
+        self.client_ttfa_s += other.client_ttfa_s
+        self.server_ttfa_ms += other.server_ttfa_ms
+        self.smooth += other.smooth
+        self.errors.update(other.errors)
+
 
 async def count_session_errors(client: VoxgateClient, errors: Counter) -> None:
     """Errors that belong to no running context (a context's own errors are counted from its result)."""
@@ -180,13 +195,33 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | No
     return {f"p{q}": round(float(np.percentile(array, q)), 1) for q in (50, 95, 99)}
 
 
-async def bench(args: argparse.Namespace) -> dict:
+async def run_sessions(args: argparse.Namespace, indices: range) -> tuple[Stats, float]:
+    """These sessions for --duration from now: their stats and the wall time they took."""
     stats = Stats()
     started = time.monotonic()
     deadline = started + args.duration
-    await asyncio.gather(*(run_session(i, args, deadline, stats) for i in range(args.sessions)))
-    wall = time.monotonic() - started
-    return {"url": args.url, "sessions": args.sessions, "duration_s": args.duration, "wall_s": round(wall, 1),
+    await asyncio.gather(*(run_session(i, args, deadline, stats) for i in indices))
+    return stats, time.monotonic() - started
+
+
+def client_process(args: argparse.Namespace, indices: range) -> tuple[Stats, float]:
+    """One client process's share of the sessions, timed from its own start (processes start a few s apart)."""
+    return asyncio.run(run_sessions(args, indices))
+
+
+async def bench(args: argparse.Namespace) -> dict:
+    if args.processes == 1:
+        stats, wall = await run_sessions(args, range(args.sessions))
+    else:
+        loop = asyncio.get_running_loop()
+        with ProcessPoolExecutor(args.processes, mp_context=get_context("spawn")) as pool:
+            shares = await asyncio.gather(*(
+                loop.run_in_executor(pool, client_process, args, range(first, args.sessions, args.processes))
+                for first in range(args.processes)))
+        stats, wall = Stats(), max(share_wall for _, share_wall in shares)
+        for share, _ in shares:
+            stats.merge(share)
+    return {"url": args.url, "sessions": args.sessions, "processes": args.processes, "duration_s": args.duration, "wall_s": round(wall, 1),
             "encoding": args.encoding, "buffering": args.buffering, "token_rate": list(args.token_rate),
             "contexts": stats.contexts,
             "contexts_done": stats.done, "audio_s": round(stats.audio_s, 1),
@@ -501,6 +536,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, help="with --serve: engine slots")
     parser.add_argument("--api-key")
     parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--processes", type=int, default=1,
+                        help="closed loop: client processes the sessions are spread over (one reads ~64 at most)")
     parser.add_argument("--duration", type=float, default=30.0,
                         help="seconds during which new contexts (closed) or requests (open) start")
     parser.add_argument("--token-rate", type=token_rate, default=(20.0, 80.0),
@@ -523,6 +560,8 @@ def main() -> None:
     open_loop_options.add_argument("--server-pid", type=int,
                                    help="the server process whose CPU to report (default: the one on --url's port)")
     args = parser.parse_args()
+    if args.processes < 1 or (args.processes > 1 and (args.mode != "closed" or args.serve)):
+        parser.error("--processes: at least 1, and more only for the closed loop against --url")
     if args.mode == "open" and args.traffic == "ws" and args.encoding == "mulaw":
         parser.error("--mode open --traffic ws decodes the audio to find its onset: use opus or pcm_s16le")
     local = None

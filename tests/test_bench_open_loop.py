@@ -149,3 +149,24 @@ def test_a_short_open_loop_run_against_a_real_server(tmp_path, traffic):
     assert report["audio_s_per_wall_s"] > 0 and report["start_lag_ms"]["p99"] < 1000
     assert report["server_cpu"]["pid"] == server.process.pid and report["server_cpu"]["cores"] > 0
     assert "audible TTFA" in run.stderr and "underrun requests" in run.stderr
+
+
+def test_a_closed_loop_spread_over_client_processes_reports_every_session(tmp_path):
+    """`--processes 2`: each process speaks its share of the sessions; the report adds them up."""
+    with server_process(["--synthetic-frames-per-token", "2"], tmp_path / "server.log") as server:
+        run = subprocess.run(
+            [sys.executable, "scripts/bench_gateway.py", "--url", server.ws, "--sessions", "3", "--processes", "2",
+             "--duration", "1", "--encoding", "pcm_s16le"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        server.assert_alive()
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["processes"] == 2 and report["errors"] == {}
+    assert report["contexts"] >= 3 and report["contexts_done"] == report["contexts"]
+    assert report["audio_s"] > 0
+    assert report["ttfa_server_ms"]["p50"] > 0
+
+
+def test_client_processes_are_for_the_closed_loop_against_a_server():
+    run = subprocess.run([sys.executable, "scripts/bench_gateway.py", "--mode", "open", "--processes", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--processes" in run.stderr
