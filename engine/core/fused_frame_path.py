@@ -17,17 +17,16 @@ from engine.sampling import process_talker_logits
 
 
 class FusedFramePath:
-    def __init__(self, talker: Talker, cache: SlotKVCache, rows: int, scratch_slot: int | None = None,
+    def __init__(self, talker: Talker, cache: SlotKVCache, rows: int, pad_prefill: bool = False,
                  capture: bool = False) -> None:
         """`rows`: the largest batch a step will run (the code predictor keeps a 16-position cache per row);
-        `scratch_slot`: pad prefills to token buckets, their padding in this slot (None: no padding); `capture`:
-        replay the padded prefills as CUDA graphs."""
+        `pad_prefill`: pad prefills to token buckets, their padding in the cache's scratch slot (the one past its
+        slots); `capture`: replay the padded prefills as CUDA graphs."""
         self.talker, self.cache = talker, cache
         self.talker_layers = FusedLayers(talker.model)
-        padded = scratch_slot is not None
         self.prefill = PaddedPrefill(self._prefill_tokens, talker.cfg.layers.hidden_size, cache.k.dtype,
-                                     cache.k.device, scratch_slot if padded else cache.shape.slots,
-                                     cache.shape.capacity, PREFILL_BUCKETS if padded else (), capture)
+                                     cache.k.device, cache.shape.slots, cache.shape.capacity,
+                                     PREFILL_BUCKETS if pad_prefill else (), capture)
         predictor = talker.code_predictor
         self.predictor_layers = FusedLayers(predictor.model)
         layers = predictor.cfg.layers

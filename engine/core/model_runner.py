@@ -57,7 +57,7 @@ class ModelRunner:
         if frame_path == "triton":  # imported here: Triton is only needed (and installed) where it runs
             from engine.core.fused_frame_path import FusedFramePath
 
-            self.frame = FusedFramePath(talker, self.cache, slots, None if step_mode == "eager" else self.scratch_slot,
+            self.frame = FusedFramePath(talker, self.cache, slots, pad_prefill=step_mode != "eager",
                                         capture=step_mode == "graphs")
         else:
             self.frame = TorchFramePath(talker, self.cache)
