@@ -373,7 +373,8 @@ class Gateway:
 
     def speech_context(self, template: SynthesisRequest, buffering: str, max_buffer_delay_ms: int,
                        lexicon: Lexicon | None = None) -> SpeechContext:
-        return SpeechContext(self.engine, template, UtterancePlanner(buffering, max_buffer_delay_ms / 1000), lexicon)
+        return SpeechContext(self.engine, template, UtterancePlanner(buffering, max_buffer_delay_ms / 1000), lexicon,
+                             self.limits.max_text_chars)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
 from realtime.gateway import Limits
-from tests.gateway_server import running_server
+from realtime.lexicon import parse_rules
+from tests.gateway_server import SHORT_SPEECH, running_server
 from voxgate_client.client import VoxgateClient, pcm_from_frames
 
 KEY = "lexicon-key"
@@ -161,3 +162,50 @@ def test_hostile_lexicons_are_refused_and_the_session_goes_on(server, lexicon):
         assert (await until(ws, lambda e: e["type"] == "pong"))[-1]["id"] == 1
         await ws.close()
     asyncio.run(go())
+
+
+# --- a lexicon cannot expand a context past max_text_chars -----------------------------------------------------------
+
+SMALL_TEXT_LIMIT = 120
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    with running_server(Limits(api_keys=(KEY,), max_text_chars=SMALL_TEXT_LIMIT),
+                        synthetic_frames_per_token=SHORT_SPEECH) as running:
+        yield running
+
+
+async def context_outcome(server, lexicon: list[dict], pieces: list[str]) -> list[str]:
+    """The error codes a context gets for `pieces` (appended in turn, then ended) until its `context.done`."""
+    ws = await raw(server)
+    await ws.send(json.dumps({"type": "session.start", "lexicon": lexicon, "text": {"buffering": "none"}}))
+    await until(ws, lambda e: e["type"] == "session.started")
+    for piece in pieces:
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": piece}))
+    await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
+    events = await until(ws, lambda e: e["type"] == "context.done")
+    await ws.send(json.dumps({"type": "ping", "id": 2}))  # the session goes on
+    assert (await until(ws, lambda e: e["type"] == "pong"))[-1]["id"] == 2
+    await ws.close()
+    return [e["code"] for e in events if e["type"] == "error" and e.get("context_id") == "c"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.integers(1, 12), growth=st.integers(1, 40), cuts=st.lists(st.integers(0, 60), max_size=4))
+def test_a_lexicon_that_expands_a_context_past_the_text_limit_ends_it_with_text_too_long(small_server, words,
+                                                                                        growth, cuts):
+    lexicon = [{"term": "ok", "replacement": "k" * growth}]
+    text = " ".join(["ok"] * words) + "."
+    pieces = [text[a:b] for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(text)]) if text[a:b]]
+    spoken = len(parse_rules(lexicon).apply(text))
+    codes = asyncio.run(context_outcome(small_server, lexicon, pieces))
+    assert codes == (["text_too_long"] if spoken > SMALL_TEXT_LIMIT else []), (spoken, codes)
+
+
+def test_the_speech_endpoint_refuses_a_lexicon_that_expands_past_the_text_limit(small_server):
+    grows = [{"term": "ok", "replacement": "k" * 200}]
+    status, body = speech(small_server, input="ok ok.", lexicon=grows)
+    error = json.loads(body)["error"]
+    assert status == 400 and error["code"] == "text_too_long" and str(SMALL_TEXT_LIMIT) in error["message"]
+    assert speech(small_server, input="ok ok.", lexicon=[{"term": "ok", "replacement": "okay"}])[0] == 200

@@ -7,7 +7,9 @@ sample positions keep counting across utterances. Flushes and marks are reported
 the last audio of the utterance they closed. With a seed, utterance k samples with seed + k (modulo 2**63), so the
 context's audio depends only on its text, its flush / mark / end points, its voice and its seed. Whatever fails, the
 context ends with a `ContextEnd` carrying the typed error. A pronunciation lexicon rewrites the text before the
-planner sees it, holding back what the next piece could still change; a flush, mark or end releases it.
+planner sees it, holding back what the next piece could still change; a flush, mark or end releases it. The text
+the planner is given (after the lexicon) is bounded by `max_text_chars` like the client's own text: a lexicon that
+expands a context past it ends the context with `TextTooLong`.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from engine.errors import EmptyText, RequestError, SynthesisFailed, VoxgateError, request_failure
+from engine.errors import EmptyText, RequestError, SynthesisFailed, TextTooLong, VoxgateError, request_failure
 from engine.request import SEED_RANGE, AudioChunk, Finished, SynthesisRequest
 from engine.serving.async_engine import FrontEnd, RequestHandle
 from realtime.lexicon import Lexicon, LexiconStream
@@ -59,12 +61,16 @@ ContextEvent = ContextAudio | ContextText | ContextMarker | ContextEnd
 
 class SpeechContext:
     def __init__(self, engine: FrontEnd, template: SynthesisRequest, planner: UtterancePlanner,
-                 lexicon: Lexicon | None = None) -> None:
-        """`template` gives voice, language, sampling and clean-up; its text is ignored."""
+                 lexicon: Lexicon | None = None, max_text_chars: int | None = None) -> None:
+        """`template` gives voice, language, sampling and clean-up; its text is ignored. `max_text_chars` bounds the
+        text spoken after the lexicon's replacements (None: unbounded)."""
         self.engine = engine
         self.template = template
         self.planner = planner
         self.lexicon = LexiconStream(lexicon) if lexicon is not None else None
+        self.max_text_chars = max_text_chars
+        self._planned_chars = 0
+        self.refused: VoxgateError | None = None  # why the context was ended early by its own text
         self.samples = 0
         self._events: asyncio.Queue[ContextEvent] = asyncio.Queue()
         self._markers: dict[int, list[tuple[str, str]]] = {}  # utterance index -> markers after its audio
@@ -76,11 +82,18 @@ class SpeechContext:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def append(self, text: str) -> None:
+        if self.refused is not None:
+            return  # its error is on its way to the client: later text is dropped, not an error of its own
         if self._ended:
             raise RequestError("text appended after the context ended")
         self._plan(self.lexicon.append(text) if self.lexicon is not None else text)
 
     def _plan(self, text: str) -> None:
+        self._planned_chars += len(text)
+        if self.max_text_chars is not None and self._planned_chars > self.max_text_chars:
+            self._refuse(TextTooLong(f"with its lexicon's replacements this context's text takes more than "
+                                     f"{self.max_text_chars} characters"))
+            return
         loop = asyncio.get_running_loop()
         self.planner.append(text, loop.time())
         waiting = self.planner.open
@@ -113,6 +126,14 @@ class SpeechContext:
         self._task.cancel()
         for timer in self._timers.values():
             timer.cancel()
+
+    def _refuse(self, error: VoxgateError) -> None:
+        """End the context now with `error`, after the audio already delivered (once: not after it has ended)."""
+        if self._task.done():
+            return
+        self.refused = error
+        self.cancel()
+        self._events.put_nowait(ContextEnd("error", self.samples, error))
 
     async def events(self) -> AsyncIterator[ContextEvent]:
         while True:
