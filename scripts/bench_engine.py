@@ -118,8 +118,8 @@ class Bench:
         original = engine.runner.run
 
         def recording(batch):
-            out = original(batch)
-            for slot, frame in zip(batch.slots.tolist(), out.cpu()):
+            out = original(batch).landed()
+            for slot, frame in zip(batch.slots.tolist(), out.codes):
                 codes.setdefault(slot, []).append(frame)
             return out
 
@@ -240,7 +240,7 @@ class Bench:
         return out
 
     def scaling(self) -> dict:
-        """Pure frame step (graph replay + the codes' copy to the host) by batch size, contexts ~100-200."""
+        """Pure frame step (both graph replays, the codes' copy to the host) by batch size, contexts ~100-200."""
         out = {}
         for batch in self.args.batches:
             engine = self.engine()
@@ -254,7 +254,8 @@ class Bench:
             for _ in range(30):
                 synchronize()
                 start = time.perf_counter()
-                engine.runner.run(engine.runner.batch(seqs)).cpu()
+                engine.runner.run(engine.runner.batch(seqs)).host()
+                synchronize()  # the step's second half (the advance) too
                 times.append(time.perf_counter() - start)
                 for s in seqs:
                     s.frames += 1

@@ -106,7 +106,7 @@ def test_codes_match_frame_for_frame(tts):
     other = requests(tts, True, frames=[30, 30])[1]
     run(engine, {0: [other], 2: [request]})
     expected = reference(tts, request).codes
-    got = torch.stack([f[-1] for f in frames[2:14]])  # the late joiner: steps 2..13, the last row of each
+    got = torch.stack([f.host()[-1] for f in frames[2:14]])  # the late joiner: steps 2..13, the last row of each
     assert torch.equal(got, expected)
 
 

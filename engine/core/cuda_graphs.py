@@ -1,10 +1,13 @@
-"""The whole frame step captured as one CUDA graph per batch-size bucket.
+"""The frame step captured as CUDA graphs per batch-size bucket: one for its first half (the codes), one for its
+second (the talker's advance).
 
 A step launches ~6,500 small kernels on the torch frame path and ~1,170 on the fused one (28 talker layers, 15
-code-predictor sub-steps, sampling; `scripts/profile_step.py`); replaying a graph turns that into one launch. A
-batch is padded up to its bucket with rows that point at the runner's scratch slot, so the graph's shapes never
-change and real rows are untouched by the padding. Without graphs (`capture=False`)
-the same padded batches run eagerly: that is how the padding is tested on the CPU.
+code-predictor sub-steps, sampling; `scripts/profile_step.py`); replaying a graph turns that into one launch. Between
+the two replays the codes are copied to pinned host memory and an event is recorded: the host reads them, and queues
+their codec decode on its own stream, while the advance runs, so a request's first audio does not wait for the
+talker's next token. A batch is padded up to its bucket with rows that point at the runner's scratch slot, so the
+graphs' shapes never change and real rows are untouched by the padding. Without graphs (`capture=False`) the same
+padded batches run eagerly: that is how the padding is tested on the CPU.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.step_batch import StepBatch
+from engine.core.step_batch import StepBatch, StepCodes
 from engine.reference import BatchSampling
 from engine.sampling import SamplerBatch
 
@@ -38,8 +41,11 @@ def _tensors(batch: StepBatch) -> list[torch.Tensor]:
 class _Bucket:
     def __init__(self, static: StepBatch, padding: StepBatch) -> None:
         self.static, self.padding = static, padding
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.codes: torch.Tensor | None = None
+        self.sample: torch.cuda.CUDAGraph | None = None
+        self.advance: torch.cuda.CUDAGraph | None = None
+        self.codes: torch.Tensor | None = None  # the sample graph's output, which the advance graph reads
+        self.host_codes: torch.Tensor | None = None  # pinned
+        self.ready: torch.cuda.Event | None = None  # recorded once host_codes is written
 
 
 class PaddedStep:
@@ -76,21 +82,29 @@ class PaddedStep:
                 for _ in range(2):
                     self.runner.step(bucket.static)
             torch.cuda.current_stream().wait_stream(self.stream)
-            bucket.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.graph, stream=self.stream):
-                bucket.codes = self.runner.step(bucket.static)
+            bucket.sample, bucket.advance = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bucket.sample, stream=self.stream):
+                bucket.codes = self.runner.sample(bucket.static)
+            with torch.cuda.graph(bucket.advance, stream=self.stream):
+                self.runner.advance(bucket.static, bucket.codes)
+            bucket.host_codes = torch.empty(bucket.codes.shape, dtype=bucket.codes.dtype, pin_memory=True)
+            bucket.ready = torch.cuda.Event()
         torch.cuda.synchronize()
 
-    def __call__(self, batch: StepBatch) -> torch.Tensor:
+    def __call__(self, batch: StepBatch) -> StepCodes:
+        """Run the step; its codes land on the host while the advance may still run (`StepCodes.host`)."""
         rows = batch.slots.shape[0]
         size = next((b for b in self.buckets if b >= rows), None)
         if size is None:
-            return self.runner.step(batch)
+            return self.runner.eager_step(batch)
         bucket = self.buckets[size]
         for target, source, pad in zip(_tensors(bucket.static), _tensors(batch), _tensors(bucket.padding)):
             target[:rows].copy_(source)
             target[rows:].copy_(pad[rows:])
-        if bucket.graph is None:
-            return self.runner.step(bucket.static)[:rows]
-        bucket.graph.replay()
-        return bucket.codes[:rows]
+        if bucket.sample is None:
+            return StepCodes(self.runner.step(bucket.static)[:rows])
+        bucket.sample.replay()
+        bucket.host_codes.copy_(bucket.codes, non_blocking=True)
+        bucket.ready.record()
+        bucket.advance.replay()
+        return StepCodes(bucket.host_codes[:rows], bucket.ready)

@@ -27,6 +27,7 @@ from engine.core.kv_cache import CacheShape
 from engine.core.model_runner import ModelRunner
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
+from engine.core.step_batch import StepCodes
 from engine.errors import EmptyText, EngineFailed, RequestError, TextTooLong, VoxgateError
 from engine.prompt import Prompt
 from engine.request import Event, RunawayGuard, SynthesisRequest, SyntheticLength, check_request, check_text
@@ -234,7 +235,7 @@ class Engine:
             events = []
         eos = self.tts.config.talker.codec_eos_token_id
         for part, codes in parts:
-            self.scheduler.postprocess(part, codes.cpu(), eos)  # the step's one device-to-host copy
+            self.scheduler.postprocess(part, codes.host(), eos)  # the step's one device-to-host copy
         decoding.queue([s for part, _ in parts for s in part], held)
         if not overlap:
             events += self._collect(decoding.queued_steps)
@@ -245,14 +246,14 @@ class Engine:
     def _collect(self, wait_through: int) -> list[Event]:
         return self.decoding.collect(self.scheduler.take_finished(), wait_through)
 
-    def _frames(self, seqs: list[Sequence]) -> list[tuple[list[Sequence], torch.Tensor]]:
+    def _frames(self, seqs: list[Sequence]) -> list[tuple[list[Sequence], StepCodes]]:
         """One frame for `seqs`: (requests, codes) of each batch that ran. A batch that raises is bisected until
         the culprits are alone, and only they fail: running a subset again is safe, since a frame's KV-cache writes
         are idempotent, a request's state only advances once its frame has run, and the sampling noise is a pure
         function of (seed, frame, codebook). If every request fails alone, the fault is the engine's."""
         runner = self.runner
         parts = isolated(seqs, lambda batch: runner.run(runner.batch(batch)), "running its frame", self._fail,
-                         retry=lambda batch: runner.run(runner.batch(batch)).cpu())  # before a graph reruns
+                         retry=lambda batch: runner.run(runner.batch(batch)).landed())  # before a graph reruns
         if len(seqs) > 1 and not parts:
             raise EngineFailed(f"a step failed for each of its {len(seqs)} requests alone")
         return parts

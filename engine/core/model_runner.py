@@ -4,7 +4,8 @@ fused path pads and graphs its prefills the same way).
 
 The frame step (sample code 0, the 15 code-predictor sub-steps, then one talker token per request) keeps all
 per-request state on the device, so a step needs no host synchronisation inside and one device-to-host copy of its
-codes.
+codes. It runs in two halves, `sample` (the codes) and `advance` (the talker's next token), so that the graphed step
+can send the codes to the host, and the codec decoder can start on them, while the advance still runs.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engine.core.cuda_graphs import PaddedStep
 from engine.core.frame_path import FRAME_PATHS, TorchFramePath
 from engine.core.kv_cache import CacheShape, SlotKVCache
 from engine.core.sequence import Sequence
-from engine.core.step_batch import StepBatch
+from engine.core.step_batch import StepBatch, StepCodes
 from engine.model.talker import Talker
 from engine.reference import BatchSampling
 from engine.sampling import talker_logits_mask
@@ -62,7 +63,7 @@ class ModelRunner:
         else:
             self.frame = TorchFramePath(talker, self.cache)
         # The frame step as the engine runs it: `step` itself, or padded to a bucket (replayed as a CUDA graph).
-        self.run: Callable[[StepBatch], torch.Tensor] = self.step
+        self.run: Callable[[StepBatch], StepCodes] = self.eager_step
         if step_mode != "eager":
             self.run = PaddedStep(self, pad_text_id, capture=step_mode == "graphs")
 
@@ -93,15 +94,27 @@ class ModelRunner:
         self.last_hidden[slot_index] = self.frame.prefill([s.prompt.prefill for s in seqs], slot_ids)
         self.seen[slot_index] = False
 
-    @torch.inference_mode()
+    def eager_step(self, batch: StepBatch) -> StepCodes:
+        return StepCodes(self.step(batch))
+
     def step(self, batch: StepBatch) -> torch.Tensor:
         """One frame for every row: codes [B, 16] (code 0 may be EOS); advances each slot by one position."""
-        talker = self.talker
+        codes = self.sample(batch)
+        self.advance(batch, codes)
+        return codes
+
+    @torch.inference_mode()
+    def sample(self, batch: StepBatch) -> torch.Tensor:
+        """The step's first half: each row's frame, codes [B, 16], from its talker state (which it leaves as is)."""
         hidden = self.last_hidden[batch.slots]
-        codes = self.frame.sample(hidden, self.seen[batch.slots], batch.frame_index, batch.sampling, self.suppressed)
+        return self.frame.sample(hidden, self.seen[batch.slots], batch.frame_index, batch.sampling, self.suppressed)
+
+    @torch.inference_mode()
+    def advance(self, batch: StepBatch, codes: torch.Tensor) -> None:
+        """The step's second half: the talker takes each row's frame and text token, one position further."""
+        talker = self.talker
         step_input = talker.frame_embed(codes) + talker.text_embed(batch.text_ids)
         hidden = self.frame.advance(step_input, batch.slots, batch.positions)
         # A request's state advances only here, at the end: a step that raised before can run again (isolation.py).
         self.seen.index_put_((batch.slots, codes[:, 0]), self._true)
         self.last_hidden[batch.slots] = hidden
-        return codes
