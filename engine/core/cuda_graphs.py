@@ -87,7 +87,8 @@ class PaddedStep:
                 bucket.codes = self.runner.sample(bucket.static)
             with torch.cuda.graph(bucket.advance, stream=self.stream):
                 self.runner.advance(bucket.static, bucket.codes)
-            bucket.host_codes = torch.empty(bucket.codes.shape, dtype=bucket.codes.dtype, pin_memory=True)
+            with torch.inference_mode(False):  # a normal tensor: each step copies into it outside inference mode
+                bucket.host_codes = torch.empty(bucket.codes.shape, dtype=bucket.codes.dtype, pin_memory=True)
             bucket.ready = torch.cuda.Event()
         torch.cuda.synchronize()
 
