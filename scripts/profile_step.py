@@ -1,7 +1,9 @@
 """Where the frame step's GPU time goes: kernels per step, grouped by name, on random real-size weights.
 
 Profiles the eager step (so every kernel is visible with its own duration) and times the graphed step, at each
-batch size and frame path given. Usage: python scripts/profile_step.py --size 1b7 --batches 1,64
+batch size and frame path given; `--ops` times instead each matmul shape and the decode attention of the step alone
+(`triton.testing.do_bench`, L2 flushed between runs), with the bandwidth it reaches and its share of a step.
+Usage: python scripts/profile_step.py --size 1b7 --batches 1,64 [--ops]
 """
 from __future__ import annotations
 
@@ -68,15 +70,57 @@ def graph_time(engine: Engine, repeats: int = 50) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def op_table(tts: TTSModel, batch: int, talker_length: int = 300) -> dict:
+    """Each matmul of the step (weights as loaded) and the decode attention at `batch` rows, timed alone: ms per call,
+    GB/s of weights read, calls per step, and ms per step (calls x time)."""
+    import triton.testing
+
+    from engine.core.fused_layers import FusedLayers
+    from engine.kernels.attention import varlen_attention
+    talker, predictor = tts.talker, tts.talker.code_predictor
+    groups = predictor.cfg.num_code_groups
+    rows = {"talker": FusedLayers(talker.model).layers[0], "predictor": FusedLayers(predictor.model).layers[0]}
+    sub_steps = {"talker": 1, "predictor": groups - 1}
+    layers = {"talker": len(talker.model.layers), "predictor": len(predictor.model.layers)}
+    weights = {f"{part}.{name}": (weight, layers[part] * sub_steps[part]) for part, merged in rows.items()
+               for name, weight in (("qkv", merged.qkv), ("o", merged.layer.self_attn.o_proj.weight),
+                                    ("gate_up", merged.gate_up), ("down", merged.layer.mlp.down_proj.weight))}
+    weights["talker.codec_head"] = (talker.codec_head.weight, 1)
+    weights["predictor.lm_head"] = (predictor.lm_head[0].weight, groups - 1)
+    out = {}
+    for name, (weight, calls) in weights.items():
+        x = torch.randn(batch, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        ms = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, weight), warmup=20, rep=100)
+        out[name] = dict(shape=list(weight.shape), ms=round(ms, 4), calls=calls, ms_per_step=round(ms * calls, 3),
+                         gb_per_s=round(weight.numel() * weight.element_size() / ms / 1e6, 1))
+    for part, length in (("talker", talker_length), ("predictor", groups // 2)):
+        cfg = (talker if part == "talker" else predictor).cfg.layers
+        k = torch.randn(batch + 1, cfg.num_key_value_heads, max(length, 16), cfg.head_dim, dtype=tts.dtype,
+                        device=tts.device)
+        q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim, dtype=tts.dtype, device=tts.device)
+        slots = torch.arange(batch, device=tts.device)
+        lengths = torch.full((batch,), length, device=tts.device)
+        ms = triton.testing.do_bench(lambda: varlen_attention(q, k, k, slots, lengths), warmup=20, rep=100)
+        calls = layers[part] * sub_steps[part]
+        out[f"{part}.attention@{length}"] = dict(ms=round(ms, 4), calls=calls, ms_per_step=round(ms * calls, 3))
+    out["sum_ms_per_step"] = round(sum(v["ms_per_step"] for v in out.values()), 3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1b7", choices=["0b6", "1b7"])
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     parser.add_argument("--frame-paths", default="torch,triton")
+    parser.add_argument("--ops", action="store_true", help="time each matmul shape and the attention alone")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model_dir = write_random_checkpoint(Path(tmp.name) / "ckpt", args.size, "custom_voice", seed=0)
     tts = TTSModel.load(model_dir, device="cuda", dtype=torch.bfloat16)
+    if args.ops:
+        for batch in args.batches:
+            print(json.dumps(dict(batch=batch, ops=op_table(tts, batch))), flush=True)
+        return
     for frame_path in args.frame_paths.split(","):
         for batch in args.batches:
             engine = running_engine(tts, batch, frame_path)
