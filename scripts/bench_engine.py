@@ -169,6 +169,58 @@ class Bench:
         return dict(ttfa_ms_p50=percentile(ttfa, 50) * 1e3, ttfa_ms_p95=percentile(ttfa, 95) * 1e3,
                     engine_step_ms_p50=percentile(steps, 50) * 1e3, engine_step_ms_mean=statistics.mean(steps) * 1e3)
 
+    def invariance(self) -> dict:
+        """PROTOCOL.md's seed guarantee on this device: seeded (sampled) requests run alone, then beside 3 or 15 others
+        that joined a few steps earlier (other rows, other graph buckets, other lengths): the share whose codes are
+        bit-equal to their run alone, and the largest audio difference. In fp32 a code that differs is a frame-step
+        kernel whose reduction depends on the batch, audio that differs with equal codes is the batched decoder; in
+        bf16 it shows how often a rounding flip changes a sampled code."""
+        probes = [self.request(24, seed) for seed in range(4)]
+        alone = [self._codes_and_audio([probe]) for probe in probes]
+        out = {}
+        for companions in (3, 15):
+            others = [self.request(16 + 4 * i, 1000 + i) for i in range(companions)]
+            batched = self._codes_and_audio(probes, others)
+            out[f"codes_bit_equal_beside_{companions}"] = sum(
+                torch.equal(a[0][0], b[0]) for a, b in zip(alone, batched)) / len(probes)
+            out[f"audio_bit_equal_beside_{companions}"] = sum(
+                np.array_equal(a[0][1], b[1]) for a, b in zip(alone, batched)) / len(probes)
+            out[f"audio_max_abs_diff_beside_{companions}"] = max(
+                float(np.abs(a[0][1] - b[1]).max()) if len(a[0][1]) == len(b[1]) else float("inf")
+                for a, b in zip(alone, batched))
+        return out | dict(requests=len(probes), dtype=str(self.tts.dtype))
+
+    def _codes_and_audio(self, requests: list[SynthesisRequest], others: tuple | list = (),
+                         head_start: int = 3) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """The codes [frames, 16] and whole audio of each of `requests`, submitted `head_start` steps after
+        `others`."""
+        engine = self.engine()
+        original = engine.runner.run
+        codes: dict[int, list] = defaultdict(list)  # engine request id -> its frames
+
+        def recording(batch):
+            out = original(batch).landed()
+            owner = {seq.slot: request_id for request_id, seq in engine.running.items()}
+            for slot, frame in zip(batch.slots.tolist(), out.codes):
+                codes[owner[slot]].append(frame)
+            return out
+
+        engine.runner.run = recording
+        try:
+            for other in others:
+                engine.submit(other)
+            for _ in range(head_start if others else 0):
+                engine.step()
+            ids = {engine.submit(request): index for index, request in enumerate(requests)}
+            chunks: dict[int, list] = defaultdict(list)
+            while not engine.idle():
+                for event in engine.step():
+                    if isinstance(event, AudioChunk) and event.request_id in ids:
+                        chunks[event.request_id].append(event.samples)
+        finally:
+            engine.runner.run = original
+        return [(torch.stack(codes[request_id]), np.concatenate(chunks[request_id])) for request_id in ids]
+
     def first_audio(self) -> dict:
         """A single request's first step, phase by phase (planning, prefill, decoder start, frame, decoding), each
         timed with the GPU synchronised at its start and end: the phases sum to a little more than `single`'s
