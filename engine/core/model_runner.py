@@ -62,7 +62,7 @@ class ModelRunner:
                                         capture=step_mode == "graphs")
         else:
             self.frame = TorchFramePath(talker, self.cache)
-        # The frame step as the engine runs it: `step` itself, or padded to a bucket (replayed as a CUDA graph).
+        # The frame step as the engine runs it: `eager_step`, or padded to a bucket (replayed as two CUDA graphs).
         self.run: Callable[[StepBatch], StepCodes] = self.eager_step
         if step_mode != "eager":
             self.run = PaddedStep(self, pad_text_id, capture=step_mode == "graphs")
