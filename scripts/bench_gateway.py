@@ -52,6 +52,7 @@ from voxgate_client.client import ContextResult, ServerError, VoxgateClient, con
 
 WORDS = ("the quick brown fox jumps over a lazy dog while music plays softly in the old town hall tonight "
          "and everyone listens to the story about rivers mountains and distant cities").split()
+PREBUFFER_S = 0.1  # the closed loop's second playback: a client that buffers this much before it plays (issue 17)
 
 
 def llm_answer(rng: random.Random, token_rate: tuple[float, float]) -> list[tuple[float, str]]:
@@ -101,12 +102,13 @@ class Playback:
         return playhead + media_s - media
 
 
-def playback(chunks: list[tuple[float, float]]) -> Playback | None:
+def playback(chunks: list[tuple[float, float]], prebuffer_s: float = 0.0) -> Playback | None:
     """The playback of chunks of audio (arrival time, seconds), as tts_bench's immediate-playback client plays
-    them; None when no audio arrived."""
+    them, or (`prebuffer_s`) as a client that starts playing that long after the first audio arrived; None when no
+    audio arrived."""
     if not chunks:
         return None
-    playhead, gaps = chunks[0][0], []
+    playhead, gaps = chunks[0][0] + prebuffer_s, []
     for arrival, seconds in chunks:
         if arrival > playhead:
             gaps.append(arrival - playhead)
@@ -132,6 +134,7 @@ class Stats:
     client_ttfa_s: list[float] = field(default_factory=list)
     server_ttfa_ms: list[float] = field(default_factory=list)
     smooth: list[bool] = field(default_factory=list)
+    smooth_prebuffered: list[bool] = field(default_factory=list)  # behind PREBUFFER_S of client buffer
     errors: Counter = field(default_factory=Counter)
 
     def add(self, result: ContextResult, sample_rate: int) -> None:
@@ -139,8 +142,10 @@ class Stats:
         self.errors.update(e.get("code", "?") for e in result.errors)
         if result.ttfa_s is not None:
             self.client_ttfa_s.append(result.ttfa_s)
-            played = playback(context_chunks(result, sample_rate, 0))
-            self.smooth.append(played is None or not played.gaps)
+            chunks = context_chunks(result, sample_rate, 0)
+            for smooth, prebuffer_s in ((self.smooth, 0.0), (self.smooth_prebuffered, PREBUFFER_S)):
+                played = playback(chunks, prebuffer_s)
+                smooth.append(played is None or not played.gaps)
         if result.done is not None:
             self.done += 1
             self.audio_s += result.done["audio_ms"] / 1000
@@ -155,6 +160,7 @@ class Stats:
         self.client_ttfa_s += other.client_ttfa_s
         self.server_ttfa_ms += other.server_ttfa_ms
         self.smooth += other.smooth
+        self.smooth_prebuffered += other.smooth_prebuffered
         self.errors.update(other.errors)
 
 
@@ -228,8 +234,13 @@ async def bench(args: argparse.Namespace) -> dict:
             "audio_s_per_wall_s": round(stats.audio_s / wall, 2),
             "ttfa_client_ms": percentiles(stats.client_ttfa_s, 1000.0),
             "ttfa_server_ms": percentiles(stats.server_ttfa_ms),
-            "never_underrun": round(sum(stats.smooth) / len(stats.smooth), 3) if stats.smooth else None,
+            "never_underrun": fraction(stats.smooth),
+            f"never_underrun_behind_{round(PREBUFFER_S * 1000)}ms": fraction(stats.smooth_prebuffered),
             "errors": dict(stats.errors)}
+
+
+def fraction(flags: list[bool]) -> float | None:
+    return round(sum(flags) / len(flags), 3) if flags else None
 
 
 # --- open loop: Poisson arrivals, each request on its own, never waiting for another -------------------------------

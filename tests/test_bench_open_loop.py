@@ -164,9 +164,17 @@ def test_a_closed_loop_spread_over_client_processes_reports_every_session(tmp_pa
     assert report["contexts"] >= 3 and report["contexts_done"] == report["contexts"]
     assert report["audio_s"] > 0
     assert report["ttfa_server_ms"]["p50"] > 0
+    assert 0 <= report["never_underrun"] <= report["never_underrun_behind_100ms"] <= 1  # a buffer only helps
 
 
 def test_client_processes_are_for_the_closed_loop_against_a_server():
     run = subprocess.run([sys.executable, "scripts/bench_gateway.py", "--mode", "open", "--processes", "2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--processes" in run.stderr
+
+
+def test_a_prebuffer_absorbs_a_gap_shorter_than_itself_and_not_a_longer_one():
+    late = [(0.0, 0.08), (0.13, 0.08), (0.20, 0.08)]  # the second chunk 50 ms after the first one ran out
+    assert playback(late).gaps == pytest.approx((0.05,))
+    assert playback(late, prebuffer_s=0.1).gaps == ()
+    assert playback([(0.0, 0.08), (0.30, 0.08)], prebuffer_s=0.1).gaps == pytest.approx((0.12,))
