@@ -222,3 +222,15 @@ def test_slots_sized_by_free_memory_are_a_graph_bucket(tts, monkeypatch):
     assert Engine(tts, EngineConfig(max_batch=256, capacity=100, kv_memory_share=0.65)).slots == 192
     assert Engine(tts, EngineConfig(max_batch=100, capacity=100, kv_memory_share=0.65)).slots == 96
     assert Engine(tts, EngineConfig(max_batch=256, capacity=100, kv_budget_bytes=200 * per_slot)).slots == 200
+
+
+@pytest.mark.parametrize("joined_at", [0, 3])
+def test_seeded_audio_is_bit_equal_alone_and_batched(tts, joined_at):
+    """PROTOCOL.md's seed guarantee, exactly in fp32: a seeded request's audio is the same bits whatever it is batched
+    with (others submitted with it, or a few steps before it)."""
+    probe, *others = requests(tts, False, frames=[14, 10, 12, 9, 11])
+    alone = run(Engine(tts, EngineConfig(max_batch=8, capacity=128)), {0: [probe]})[0][0]
+    batched = run(Engine(tts, EngineConfig(max_batch=8, capacity=128)), {0: others, joined_at: [probe]}
+                  if joined_at else {0: [probe, *others]})
+    probe_index = 0 if not joined_at else len(others)
+    assert len(alone) and np.array_equal(batched[probe_index][0], alone)

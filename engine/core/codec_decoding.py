@@ -8,6 +8,11 @@ With `capture=True` (CUDA), the gather-decode-scatter of each (batch bucket, chu
 decode call costs one launch instead of one per op of the decoder. Batches are padded onto a scratch slot, as the
 frame step's are; a chunk of another length (a final flush) is split into captured lengths by `pieces`, and only a
 voice-clone reference (once per request) runs eagerly.
+
+Without a graph, each request is decoded in a call of its own: the CPU's convolution and matrix kernels (oneDNN, MKL)
+choose their algorithm by batch size, so a batched decode gave a request audio that differed, by ~1e-6, with what it
+was batched with, against PROTOCOL.md's promise of identical fp32 audio however the server batches
+(`scripts/bench_engine.py --parts invariance`).
 """
 from __future__ import annotations
 
@@ -81,8 +86,8 @@ class DecoderPool:
         graph = self.graphs.get((size, frames))
         device = self.state.position.device
         index, codes = (_upload(torch.tensor(slots), device), _upload(codes, device))
-        if graph is None:
-            return self._decode(index, codes)
+        if graph is None:  # one request a call: batch-invariant audio (module docstring)
+            return torch.cat([self._decode(index[row:row + 1], codes[row:row + 1]) for row in range(rows)])
         graph.slots[:rows].copy_(index)
         graph.slots[rows:] = self.scratch_slot
         graph.codes[:rows].copy_(codes)
