@@ -96,7 +96,7 @@ def create_app(gateway: Gateway) -> Starlette:
     async def library_voices(request: Request) -> Response:
         """GET lists the stored voices, POST uploads one (multipart form: voice_library.py)."""
         async def handle() -> Response:
-            if request.method == "GET":
+            if request.method != "POST":  # GET, and the HEAD that starlette adds to every GET route
                 return JSONResponse({"voices": gateway.library.voices()})
             upload = await read_upload(request, gateway.limits.max_voice_upload_bytes)
             created = await gateway.library.create(upload)
@@ -107,7 +107,7 @@ def create_app(gateway: Gateway) -> Starlette:
         voice_id = request.path_params["voice_id"]
 
         async def handle() -> Response:
-            if request.method == "GET":
+            if request.method != "DELETE":  # GET or HEAD: reading never deletes
                 return JSONResponse(gateway.library.voice(voice_id))
             return JSONResponse(await gateway.library.delete(voice_id))
         return await _http(request, gateway, auth, handle)
@@ -115,7 +115,7 @@ def create_app(gateway: Gateway) -> Starlette:
     async def lexicons(request: Request) -> Response:
         """GET lists the stored lexicons, POST stores one (lexicons_http.py); no model needed."""
         async def handle() -> Response:
-            if request.method == "GET":
+            if request.method != "POST":  # GET or HEAD: reading never stores
                 return JSONResponse(list_lexicons(gateway.lexicons))
             body, status = store_lexicon(await _body(request, gateway.limits.max_message_bytes), gateway.lexicons)
             return JSONResponse(body, status_code=status)

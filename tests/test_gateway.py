@@ -12,6 +12,8 @@ import numpy as np
 import opuslib_next as opuslib
 import pytest
 import soundfile as sf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -293,6 +295,42 @@ def test_bad_messages_get_their_error_and_the_session_goes_on(server, raw, code)
         assert error["code"] == code and error["fatal"] is False and error["message"]
         if code == "unknown_voice":
             assert error["context_id"] == "v"
+        events = await speak(conn, "ok", ["Still here."])
+        assert events[-1]["type"] == "context.done"
+        await conn.ws.close()
+    run(go())
+
+
+BROKEN_TEXT = st.builds(lambda a, s, b: a + s + b, st.text(max_size=4), st.characters(categories=["Cs"]),
+                        st.text(max_size=4))
+BROKEN_FIELDS = st.sampled_from(["text", "voice", "instructions", "language", "lexicon", "lexicon term",
+                                 "lexicon replacement", "an unknown field", "a key"])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=BROKEN_FIELDS, broken=BROKEN_TEXT, context_id=st.text(st.characters(exclude_categories=["Cs"]),
+                                                                   min_size=1, max_size=20))
+def test_a_first_append_with_a_lone_surrogate_names_its_context_and_creates_none(server, where, broken, context_id):
+    """PROTOCOL.md: an error on the first append names the context_id and creates no context; a string that is not
+    valid Unicode (a lone surrogate, which JSON can carry) anywhere in it is such an error."""
+    message = {"type": "text.append", "context_id": context_id, "text": "Hello there.", "event_id": "e"}
+    if where == "lexicon term" or where == "lexicon replacement":
+        message["lexicon"] = [{"term": "hello", "replacement": "hullo", where.split()[1]: broken}]
+    elif where == "an unknown field":
+        message["extra"] = [broken]
+    elif where == "a key":
+        message[broken] = 1
+    else:
+        message[where] = broken
+
+    async def go():
+        conn = await session(server)
+        await conn.ws.send(json.dumps(message))  # json escapes the surrogate as \udXXX, as a careless client does
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "invalid_message" and "lone surrogate" in error["message"], error
+        assert error["context_id"] == context_id and error["event_id"] == "e" and error["fatal"] is False, error
+        await conn.send(type="context.end", context_id=context_id)
+        assert (await conn.until(lambda e: e["type"] == "error"))[-1]["code"] == "context_not_found"
         events = await speak(conn, "ok", ["Still here."])
         assert events[-1]["type"] == "context.done"
         await conn.ws.close()

@@ -91,6 +91,17 @@ def test_named_lexicons_over_http_and_by_name_on_a_context(server):
     assert delete(server, "/v1/lexicons/places")[0] == 404
 
 
+def test_head_on_the_lexicon_routes_reads_and_never_stores(server):
+    """Starlette answers HEAD on every GET route: on /v1/lexicons it lists, never stores the body it carries."""
+    body = json.dumps({"name": "by-head", "rules": RULES}).encode()
+    request = urllib.request.Request(server.http + "/v1/lexicons", data=body, method="HEAD",
+                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200 and response.read() == b""
+    assert server.get("/v1/lexicons/by-head", KEY)[0] == 404  # nothing stored
+    assert all(item["name"] != "by-head" for item in json.loads(server.get("/v1/lexicons", KEY)[1])["lexicons"])
+
+
 def delete(server, path: str) -> tuple[int, dict]:
     request = urllib.request.Request(server.http + path, method="DELETE", headers={"Authorization": f"Bearer {KEY}"})
     try:

@@ -317,6 +317,22 @@ def test_hostile_bodies_and_ids(hostile_server, body, boundary, voice_id, one_th
     assert hostile_server.get("/health")[0] == 200
 
 
+def test_head_reads_and_never_deletes_or_uploads(hostile_server, one_thread):
+    """Starlette answers HEAD on every GET route: on a voice it is a GET without a body, never the DELETE the route
+    also takes, and on the list never an upload, whatever body it carries."""
+    head = httpx.head(hostile_server.http + "/v1/audio/voices/keeper")
+    assert head.status_code == 200 and head.content == b""
+    assert httpx.get(hostile_server.http + "/v1/audio/voices/keeper").status_code == 200  # still stored
+    assert httpx.head(hostile_server.http + "/v1/audio/voices/nobody").status_code == 404
+    form = httpx.Request("POST", hostile_server.http + "/v1/audio/voices", data={"name": "by-head"},
+                         files={"audio": ("reference.wav", wav(), "audio/wav")})
+    form.read()
+    assert httpx.request("HEAD", hostile_server.http + "/v1/audio/voices", content=form.content,
+                         headers={"Content-Type": form.headers["Content-Type"]}, timeout=120).status_code == 200
+    assert httpx.get(hostile_server.http + "/v1/audio/voices/by-head").status_code == 404  # nothing uploaded
+    assert speech(hostile_server, "keeper")[0] == 200
+
+
 def test_store_round_trips_tensors_of_any_dtype(tmp_path):
     path = tmp_path / "voices.sqlite3"
     xvector = torch.randn(64).to(torch.bfloat16)

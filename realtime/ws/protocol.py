@@ -208,8 +208,23 @@ def check_message(message: Any, schemas: dict[str, dict[str, tuple[tuple[type, .
         _check_fields(message, schemas)
     except ProtocolError as failure:
         failure.event_id = event_id
+        if failure.context_id is None and schemas is MESSAGES:  # voxgate.v1: an error on a context's message
+            failure.context_id = _context_id(message)  # names it (PROTOCOL.md: a refused first append too)
         raise
     return message
+
+
+def _context_id(message: dict[str, Any]) -> str | None:
+    """The message's context_id when it can be named in an error: a string of 1 to MAX_NAME_CHARS characters that is
+    valid Unicode itself."""
+    context_id = message.get("context_id")
+    if not isinstance(context_id, str) or not 0 < len(context_id) <= MAX_NAME_CHARS:
+        return None
+    try:
+        context_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return context_id
 
 
 def _event_id(message: dict[str, Any]) -> Any:
