@@ -58,7 +58,7 @@ async def read_upload(request: Request, max_bytes: int) -> VoiceUpload:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
-    parser = MultiPartParser(request.headers, _capped(request.stream(), max_bytes), max_files=1,
+    parser = _Utf8FormParser(request.headers, _capped(request.stream(), max_bytes), max_files=1,
                              max_fields=MAX_FORM_FIELDS, max_part_size=MAX_TEXT_FIELD_BYTES)
     try:
         form = await parser.parse()
@@ -70,6 +70,21 @@ async def read_upload(request: Request, max_bytes: int) -> VoiceUpload:
         return await _upload_of(form)
     finally:
         await form.close()
+
+
+class _Utf8FormParser(MultiPartParser):
+    """Starlette's parser reads a text field that is not valid UTF-8 as latin-1, silently (a transcript of
+    surrogate bytes was stored and spoken as other text); the protocol's strings are valid Unicode, so such a field
+    is a malformed form."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                part.data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise MultiPartException("a text field is not valid UTF-8") from None
+        super().on_part_end()
 
 
 async def _capped(stream: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[bytes]:

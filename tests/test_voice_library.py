@@ -317,6 +317,24 @@ def test_hostile_bodies_and_ids(hostile_server, body, boundary, voice_id, one_th
     assert hostile_server.get("/health")[0] == 200
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(["name", "transcript", "instruction"]),
+       bad=st.sampled_from([b"\xed\xa0\x80", b"\xff", b"\xc3", b"caf\xe9", b"\xf4\x90\x80\x80"]),
+       around=st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=8))
+def test_a_text_field_that_is_not_utf8_is_a_malformed_form(hostile_server, field, bad, around, one_thread):
+    """Not read as latin-1 (what starlette's parser falls back to): a surrogate's bytes, a lone byte, an unfinished
+    sequence, latin-1 text, a code point past U+10FFFF."""
+    form = httpx.Request("POST", hostile_server.http + "/v1/audio/voices",
+                         data={"name": "strict", "transcript": "What I say in it."} | {field: "FIELD"},
+                         files={"audio": ("reference.wav", wav(), "audio/wav")})
+    body = form.read().replace(b"FIELD", around.encode() + bad + around.encode())
+    response = httpx.post(hostile_server.http + "/v1/audio/voices", content=body,
+                          headers={"Content-Type": form.headers["Content-Type"]}, timeout=120)
+    assert response.status_code == 400 and error_code(response) == "invalid_message", response.text
+    assert "UTF-8" in response.json()["error"]["message"]
+    assert httpx.get(hostile_server.http + "/v1/audio/voices/strict").status_code == 404
+
+
 def test_head_reads_and_never_deletes_or_uploads(hostile_server, one_thread):
     """Starlette answers HEAD on every GET route: on a voice it is a GET without a body, never the DELETE the route
     also takes, and on the list never an upload, whatever body it carries."""
