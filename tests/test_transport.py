@@ -94,7 +94,10 @@ def test_requests_within_the_deadline_and_streamed_responses_are_not_cut(server)
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
     started = time.monotonic()
-    status, _, pcm = server.post("/v1/audio/speech", {"input": "One, two.", "response_format": "pcm"}, KEY)
+    # long enough that its synthesis outlasts the handshake timeout on a fast machine too ("One, two." took 1.24 s on
+    # an idle 2-core box: just under what the check below needs)
+    status, _, pcm = server.post("/v1/audio/speech", {"input": "One, two, three, four, five, six.",
+                                                      "response_format": "pcm"}, KEY)
     assert time.monotonic() - started > TIMEOUT_S + 0.3  # the stream outlived the handshake timeout
     assert status == 200 and len(pcm) >= 2 * 24000 * 2  # whole: the runaway guard's 2 s at least
 
