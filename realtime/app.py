@@ -161,7 +161,11 @@ def create_app(gateway: Gateway) -> Starlette:
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
         routes += [Route("/", demo_page),
                    Mount("/static", StaticFiles(directory=WEB_DIR))]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _routing_refusal})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _routing_refusal})
+    # a path that matches no route is the API's JSON 404, never a redirect: starlette's 307 to the path with its
+    # trailing slash changed sent GET /v1/audio/voices/%2F (a voice id "/") to the voice list
+    app.router.redirect_slashes = False
+    return app
 
 
 async def _routing_refusal(request: Request, failure: HTTPException) -> Response:
