@@ -112,40 +112,20 @@ class Bench:
         return out
 
     def _agreement(self) -> dict:
-        engine = self.engine()
         requests = [self.request(40, seed, greedy=True) for seed in range(6)]
-        codes: dict[int, list] = {}
-        original = engine.runner.run
-
-        def recording(batch):
-            out = original(batch).landed()
-            for slot, frame in zip(batch.slots.tolist(), out.codes):
-                codes.setdefault(slot, []).append(frame)
-            return out
-
-        engine.runner.run = recording
-        ids = {engine.submit(r): i for i, r in enumerate(requests)}
-        slot_of, audio = {}, {}
-        while not engine.idle():
-            engine._admit()
-            for seq in engine.running.values():
-                slot_of[ids[seq.request_id]] = seq.slot
-            for event in engine.step():
-                if isinstance(event, AudioChunk):
-                    audio.setdefault(ids[event.request_id], []).append(event.samples)
+        results = self._codes_and_audio(requests)
         agree = total = 0
         first_difference, audio_difference = [], []
-        for i, request in enumerate(requests):
+        for request, (codes, audio) in zip(requests, results):
             reference = self.tts.synthesize(request.text, request.voice, language=request.language,
                                             layout=request.layout, sampling=request.sampling,
                                             max_frames=request.max_frames)
-            mine = torch.stack(codes[slot_of[i]][: len(reference.codes)])
-            same = (mine == reference.codes).all(dim=1)
+            same = (codes[: len(reference.codes)] == reference.codes).all(dim=1)
             agree += int(same.sum())
             total += len(reference.codes)
             first_difference.append(int((~same).nonzero()[0]) if not same.all() else None)
             if same.all():  # the graphed, batched decoder against the offline decode of the same codes
-                audio_difference.append(float(np.abs(np.concatenate(audio[i]) - reference.audio).max()))
+                audio_difference.append(float(np.abs(audio - reference.audio).max()))
         return dict(frames_compared=total, frame_agreement=agree / total, first_difference=first_difference,
                     max_audio_difference_where_codes_agree=max(audio_difference, default=None))
 
@@ -176,17 +156,17 @@ class Bench:
         kernel whose reduction depends on the batch, audio that differs with equal codes is the batched decoder; in
         bf16 it shows how often a rounding flip changes a sampled code."""
         probes = [self.request(24, seed) for seed in range(4)]
-        alone = [self._codes_and_audio([probe]) for probe in probes]
+        alone = [self._codes_and_audio([probe])[0] for probe in probes]
         out = {}
         for companions in (3, 15):
             others = [self.request(16 + 4 * i, 1000 + i) for i in range(companions)]
             batched = self._codes_and_audio(probes, others)
             out[f"codes_bit_equal_beside_{companions}"] = sum(
-                torch.equal(a[0][0], b[0]) for a, b in zip(alone, batched)) / len(probes)
+                torch.equal(a[0], b[0]) for a, b in zip(alone, batched)) / len(probes)
             out[f"audio_bit_equal_beside_{companions}"] = sum(
-                np.array_equal(a[0][1], b[1]) for a, b in zip(alone, batched)) / len(probes)
+                np.array_equal(a[1], b[1]) for a, b in zip(alone, batched)) / len(probes)
             out[f"audio_max_abs_diff_beside_{companions}"] = max(
-                float(np.abs(a[0][1] - b[1]).max()) if len(a[0][1]) == len(b[1]) else float("inf")
+                float(np.abs(a[1] - b[1]).max()) if len(a[1]) == len(b[1]) else float("inf")
                 for a, b in zip(alone, batched))
         return out | dict(requests=len(probes), dtype=str(self.tts.dtype))
 

@@ -221,8 +221,8 @@ def _context_id(message: dict[str, Any]) -> str | None:
     if not isinstance(context_id, str) or not 0 < len(context_id) <= MAX_NAME_CHARS:
         return None
     try:
-        context_id.encode("utf-8")
-    except UnicodeEncodeError:
+        _check_text(context_id, "context_id", "invalid_message")
+    except ProtocolError:
         return None
     return context_id
 

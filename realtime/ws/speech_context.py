@@ -70,7 +70,7 @@ class SpeechContext:
         self.lexicon = LexiconStream(lexicon) if lexicon is not None else None
         self.max_text_chars = max_text_chars
         self._planned_chars = 0
-        self.refused: VoxgateError | None = None  # why the context was ended early by its own text
+        self._refused: VoxgateError | None = None  # why the context was ended early by its own text
         self.samples = 0
         self._events: asyncio.Queue[ContextEvent] = asyncio.Queue()
         self._markers: dict[int, list[tuple[str, str]]] = {}  # utterance index -> markers after its audio
@@ -82,7 +82,7 @@ class SpeechContext:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def append(self, text: str) -> None:
-        if self.refused is not None:
+        if self._refused is not None:
             return  # its error is on its way to the client: later text is dropped, not an error of its own
         if self._ended:
             raise RequestError("text appended after the context ended")
@@ -131,7 +131,7 @@ class SpeechContext:
         """End the context now with `error`, after the audio already delivered (once: not after it has ended)."""
         if self._task.done():
             return
-        self.refused = error
+        self._refused = error
         self.cancel()
         self._events.put_nowait(ContextEnd("error", self.samples, error))
 
