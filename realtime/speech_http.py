@@ -23,12 +23,12 @@ from realtime.voices import VoiceError
 from realtime.ws.protocol import (
     FIELD_LIMITS,
     MAX_NAME_CHARS,
-    MAX_SEED,
     ProtocolError,
     Sampling,
     check_limit,
     lexicon_of,
     load_json,
+    sampling_value,
 )
 from realtime.ws.speech_context import ContextAudio, ContextEnd
 
@@ -91,8 +91,11 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
     if stream_format not in ("audio", "sse"):
         raise _bad("stream_format must be \"audio\" or \"sse\"")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-        raise _bad(f"seed must be an integer from 0 to {MAX_SEED}")
+    if seed is not None:
+        try:
+            seed = sampling_value("seed", seed, label="seed")
+        except ProtocolError as failure:
+            raise _bad(failure.message) from None
     sse = stream_format == "sse"
     return SpeechRequest(text, voice, body.get("instructions"), body.get("language") or "auto",
                          response_format, sse, seed, _stream(body, sse), _layout(body), speed, _lexicon(body, gateway))

@@ -176,6 +176,8 @@ class VoiceCatalog:
         return voice_id.lower() if self.variant == "custom_voice" else voice_id
 
     def _unknown(self, voice_id: str) -> str:
+        if not self.ids:
+            return f"unknown voice {voice_id[:64]!r}; this model has no voice now: POST /v1/audio/voices clones one"
         listed = f"{', '.join(self.ids[:12])}{', ...' if len(self.ids) > 12 else ''}"
         return f"unknown voice {voice_id[:64]!r}; GET /v1/voices lists them ({listed})"
 

@@ -215,7 +215,8 @@ def client_process(args: argparse.Namespace, indices: range) -> tuple[Stats, flo
     return asyncio.run(run_sessions(args, indices))
 
 
-async def bench(args: argparse.Namespace) -> dict:
+async def bench(args: argparse.Namespace, server_pid: int | None) -> dict:
+    cpu_first = cpu_times(server_pid) if server_pid else None
     if args.processes == 1:
         stats, wall = await run_sessions(args, range(args.sessions))
     else:
@@ -227,16 +228,16 @@ async def bench(args: argparse.Namespace) -> dict:
         stats, wall = Stats(), max(share_wall for _, share_wall in shares)
         for share, _ in shares:
             stats.merge(share)
-    return {"url": args.url, "sessions": args.sessions, "processes": args.processes, "duration_s": args.duration, "wall_s": round(wall, 1),
-            "encoding": args.encoding, "buffering": args.buffering, "token_rate": list(args.token_rate),
-            "contexts": stats.contexts,
-            "contexts_done": stats.done, "audio_s": round(stats.audio_s, 1),
-            "audio_s_per_wall_s": round(stats.audio_s / wall, 2),
+    cpu_last = cpu_times(server_pid) if server_pid else None
+    return {"url": args.url, "sessions": args.sessions, "processes": args.processes, "duration_s": args.duration,
+            "wall_s": round(wall, 1), "encoding": args.encoding, "buffering": args.buffering,
+            "token_rate": list(args.token_rate), "contexts": stats.contexts, "contexts_done": stats.done,
+            "audio_s": round(stats.audio_s, 1), "audio_s_per_wall_s": round(stats.audio_s / wall, 2),
             "ttfa_client_ms": percentiles(stats.client_ttfa_s, 1000.0),
             "ttfa_server_ms": percentiles(stats.server_ttfa_ms),
             "never_underrun": fraction(stats.smooth),
             f"never_underrun_behind_{round(PREBUFFER_S * 1000)}ms": fraction(stats.smooth_prebuffered),
-            "errors": dict(stats.errors)}
+            "errors": dict(stats.errors), "server_cpu": cpu_report(server_pid, cpu_first, cpu_last, stats.audio_s)}
 
 
 def fraction(flags: list[bool]) -> float | None:
@@ -459,12 +460,18 @@ def open_loop_report(outcomes: list[Outcome], window: tuple[float, float]) -> di
     }
 
 
-def cpu_report(pid: int | None, first: CpuTimes | None, last: CpuTimes | None) -> dict:
+def cpu_report(pid: int | None, first: CpuTimes | None, last: CpuTimes | None, audio_s: float | None = None) -> dict:
+    """The server process's cores (the gateway: with the engine in a process of its own, that is the child's) and
+    its children's; with `audio_s` (the audio received over the same span), the gateway's CPU milliseconds per
+    second of audio, which says how many cores N real-time streams take."""
     if pid is None or first is None or last is None:
         return {"pid": pid, "cores": None, "children_cores": None}
-    wall = last.at - first.at
-    return {"pid": pid, "cores": round((last.process_s - first.process_s) / wall, 2),
-            "children_cores": round((last.children_s - first.children_s) / wall, 2)}
+    wall, process_s = last.at - first.at, last.process_s - first.process_s
+    report = {"pid": pid, "cores": round(process_s / wall, 2),
+              "children_cores": round((last.children_s - first.children_s) / wall, 2)}
+    if audio_s:
+        report["cpu_ms_per_audio_s"] = round(1000 * process_s / audio_s, 2)
+    return report
 
 
 async def open_loop(args: argparse.Namespace, server_pid: int | None) -> dict:
@@ -581,7 +588,7 @@ def main() -> None:
         args.url = local[2]
     server_pid = os.getpid() if args.serve else args.server_pid or listening_pid(urlsplit(args.url).port or 80)
     try:
-        report = asyncio.run(bench(args) if args.mode == "closed" else open_loop(args, server_pid))
+        report = asyncio.run(bench(args, server_pid) if args.mode == "closed" else open_loop(args, server_pid))
     finally:
         if local is not None:
             local[0].should_exit = True

@@ -301,6 +301,23 @@ def test_bad_messages_get_their_error_and_the_session_goes_on(server, raw, code)
     run(go())
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(["sample_rate", "frame_ms", "bitrate"]),
+       number=st.integers(10**6, 10**20) | st.floats(1e6, 1e308).map(float.__floor__).map(float)
+       | st.integers(-10**20, -1))
+def test_a_number_out_of_every_range_is_refused_in_a_short_message(server, field, number):
+    """An audio field of 1e308 (an integral float, so an integer to the protocol) is refused as unsupported and the
+    error shows it short: an error message never echoes hundreds of digits back."""
+    async def go():
+        conn = await session(server)
+        await conn.ws.send(json.dumps({"type": "session.start", "audio": {"encoding": "opus", field: number}}))
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "unsupported_format" and field in error["message"], error
+        assert len(error["message"]) < 120, error
+        await conn.ws.close()
+    run(go())
+
+
 BROKEN_TEXT = st.builds(lambda a, s, b: a + s + b, st.text(max_size=4), st.characters(categories=["Cs"]),
                         st.text(max_size=4))
 BROKEN_FIELDS = st.sampled_from(["text", "voice", "instructions", "language", "lexicon", "lexicon term",

@@ -17,6 +17,7 @@ from realtime.errors import HTTPFailure
 from realtime.gateway import Limits
 from realtime.speech_http import parse_speech_request
 from realtime.voices import OPENAI_VOICES, VoiceCatalog, parse_openai_voice
+from realtime.ws.protocol import SessionConfig, configure
 from tests.gateway_server import running_server
 
 KEY = "k"
@@ -175,3 +176,18 @@ def test_model_is_the_served_one_or_an_openai_speech_model(model):
     else:
         assert model in (*OPENAI_MODELS, "tiny") or dated or model.startswith(("tts-1", "gpt-")) and "tts" in model
         assert model not in OTHER_MODELS
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(-5, 2**64) | st.floats(-5.0, 2.0**64) | st.sampled_from([-0.0, 1.0, 7.5, 2.0**63])
+       | JSON_VALUES)
+def test_a_seed_means_the_same_over_http_as_on_the_socket(seed):
+    """One rule for both doors: an integer from 0 to 2**63 - 1, also written as an integral float (`42.0`)."""
+    result = parsed(seed=seed)
+    config, refused = configure(SessionConfig(), {"sampling": {"seed": seed}})
+    if refused:
+        assert (result.status, result.code) == (400, "invalid_message") and "seed" in result.message
+        assert [error.code for error in refused] == ["invalid_config"]
+    else:
+        assert result.seed == config.sampling.seed == seed  # None: as if absent
+        assert seed is None or isinstance(result.seed, int)

@@ -124,6 +124,10 @@ def test_upload_use_restart_delete(base_model, tmp_path, one_thread):
         assert asyncio.run(refused_voice(server, "alice")) == "unknown_voice"
     with running_server(model=base_model, data_dir=data_dir) as server:
         assert [v["id"] for v in json.loads(server.get("/v1/audio/voices")[1])["voices"]] == ["bob"]
+        assert httpx.delete(server.http + "/v1/audio/voices/bob").status_code == 200
+        status, body = speech(server, "bob")  # no voice left: the error says how to make one, not "lists them ()"
+        refused = json.loads(body)["error"]
+        assert status == 400 and refused["code"] == "unknown_voice" and "POST /v1/audio/voices" in refused["message"]
 
 
 def test_voices_belong_to_their_checkpoint(base_model, tmp_path, one_thread):

@@ -47,14 +47,15 @@ class AudioFormat:
             raise UnsupportedFormat(f"audio.encoding {self.encoding!r} is not supported; "
                                     f"use one of: {', '.join(SAMPLE_RATES)}")
         if self.sample_rate not in SAMPLE_RATES[self.encoding]:
-            raise UnsupportedFormat(f"{self.encoding} does not support sample_rate {self.sample_rate}; "
+            raise UnsupportedFormat(f"{self.encoding} does not support sample_rate {_shown(self.sample_rate)}; "
                                     f"allowed: {listed(SAMPLE_RATES[self.encoding])}")
         if self.frame_ms not in FRAME_MS[self.encoding]:
-            raise UnsupportedFormat(f"{self.encoding} does not support frame_ms {self.frame_ms}; "
+            raise UnsupportedFormat(f"{self.encoding} does not support frame_ms {_shown(self.frame_ms)}; "
                                     f"allowed: {listed(FRAME_MS[self.encoding])}")
         low, high = OPUS_BITRATES
         if self.encoding == "opus" and not low <= self.bitrate <= high:
-            raise UnsupportedFormat(f"opus bitrate {self.bitrate} is out of range; allowed: {low} to {high} bit/s")
+            raise UnsupportedFormat(f"opus bitrate {_shown(self.bitrate)} is out of range; "
+                                    f"allowed: {low} to {high} bit/s")
         return self
 
     @property
@@ -68,6 +69,12 @@ class EncodedFrame:
     payload: bytes
     pts: int  # first sample of this frame, at the output rate, from the stream's start
     samples: int  # audio samples it carries at the output rate (padding of a final opus packet included)
+
+
+def _shown(number: int) -> str:
+    """A refused number as an error message shows it: short, however long (10**308 written as 1e308 in JSON)."""
+    text = str(number)
+    return text if len(text) <= 20 else f"{number:.3g}"
 
 
 def to_int16(samples: np.ndarray) -> np.ndarray:

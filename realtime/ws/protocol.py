@@ -435,17 +435,20 @@ _SAMPLING_RANGES = {"temperature": (float, 0.0, 5.0), "top_k": (int, 0, 10000), 
                     "repetition_penalty": (float, 0.5, 5.0), "seed": (int, 0, MAX_SEED)}
 
 
+def sampling_value(name: str, value: Any, label: str | None = None) -> int | float:
+    """One sampling field (`name` in _SAMPLING_RANGES) checked and converted, by the socket's and the HTTP API's
+    one rule: a JSON number in range, an integer field also as an integral float (`42.0`, what some JSON writers
+    send). Raises ProtocolError(invalid_config) naming it as `label` (default `sampling.<name>`)."""
+    kind, low, high = _SAMPLING_RANGES[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or _not_finite(value) or not (
+            low <= value <= high) or (kind is int and not float(value).is_integer()):
+        what = "an integer" if kind is int else "a number"
+        raise ProtocolError("invalid_config", f"{label or 'sampling.' + name} must be {what} from {low} to {high}")
+    return kind(value)
+
+
 def _sampling(current: Sampling, fields: dict[str, Any]) -> Sampling:
-    values = {}
-    for name, (kind, low, high) in _SAMPLING_RANGES.items():
-        value = fields.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or _not_finite(value) or not (
-                low <= value <= high) or (kind is int and not float(value).is_integer()):
-            what = "an integer" if kind is int else "a number"
-            raise ProtocolError("invalid_config", f"sampling.{name} must be {what} from {low} to {high}")
-        values[name] = kind(value)
+    values = {name: sampling_value(name, fields[name]) for name in _SAMPLING_RANGES if fields.get(name) is not None}
     if "top_p" in values and values["top_p"] == 0.0:
         raise ProtocolError("invalid_config", "sampling.top_p must be greater than 0")
     return replace(current, **values)
