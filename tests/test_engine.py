@@ -200,6 +200,29 @@ def test_prompt_longer_than_the_context_is_refused(tts):
         engine.submit(requests(tts, True, frames=[3, 3])[1])
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("own_limit", [None, 200])
+def test_a_request_that_fills_its_kv_slot_ends_with_text_too_long_after_its_audio(tts, streaming, own_limit):
+    """Text longer than the slot: the audio that fit comes out, then the request ends with TextTooLong (its end was
+    not spoken), never as a normal finish. Ending at its own limit below the slot stays a normal finish."""
+    engine = Engine(tts, EngineConfig(max_batch=1, capacity=96))  # 60 words: a prompt of ~70 in prefill layout
+    base = requests(tts, True, frames=[None])[0]
+    text = " ".join(["word"] * 60)  # the runaway guard allows 10 frames a token: far more than the slot
+    request = SynthesisRequest(text, base.voice, language="auto", layout="streaming" if streaming else "prefill",
+                               sampling=base.sampling, max_frames=own_limit, text_complete=not streaming)
+    request_id = engine.submit(request)
+    if streaming:
+        engine.end_text(request_id)
+    events = [event for _ in range(300) if not engine.idle() for event in engine.step()]
+    finished = events[-1]
+    assert finished.reason == "error" and isinstance(finished.error, TextTooLong), finished
+    samples = sum(len(event.samples) for event in events if isinstance(event, AudioChunk))
+    assert 0 < finished.frames < 96 and samples == finished.frames * tts.decoder.samples_per_frame
+    short = SynthesisRequest(text, base.voice, language="auto", layout="prefill", sampling=base.sampling,
+                             max_frames=5)
+    assert run(Engine(tts, EngineConfig(max_batch=1, capacity=96)), {0: [short]})[0][1].reason == "length"
+
+
 def test_attention_the_frame_path_would_ignore_is_refused(tts):
     """The triton frame path attends with its own kernel: naming another attention is an error, not a no-op."""
     with pytest.raises(ValueError, match="would be ignored"):

@@ -6,6 +6,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.core.engine import Engine, EngineConfig
 from engine.errors import EmptyText
@@ -14,7 +16,7 @@ from engine.sampling import SamplingParams
 from engine.serving.async_engine import AsyncEngine
 from engine.tts import TTSModel, VoiceRequest
 from realtime.ws.speech_context import ContextAudio, ContextEnd, ContextMarker, ContextText, SpeechContext
-from realtime.ws.utterances import UtterancePlanner
+from realtime.ws.utterances import WIDE_UNITS, UtterancePlanner, units
 
 LONG = "First sentence here. Second one is longer, with a clause! Is 3.14 a number? 最后一句。Tail"
 
@@ -33,13 +35,43 @@ def random_pieces(text: str, rng: random.Random) -> list[str]:
 
 
 def test_long_text_closes_at_the_first_sentence_end_past_the_limit_however_split():
-    whole = plan([LONG], max_chars=10)
-    assert whole == ["First sentence here. ", "Second one is longer, with a clause! ", "Is 3.14 a number? ",
-                     "最后一句。Tail"]  # the last is never past 10 characters at a sentence end
+    assert plan([LONG], max_chars=16) == ["First sentence here. ", "Second one is longer, with a clause! ",
+                                          "Is 3.14 a number? ", "最后一句。Tail"]  # "Tail" never reaches a sentence end
+    whole = plan([LONG], max_chars=12)
+    # "Second one is longer," is past 18 units (1.5 x 12) at its comma: that clause end closes it; "最后一句" is 12
+    assert whole == ["First sentence here. ", "Second one is longer, ", "with a clause! ", "Is 3.14 a number? ",
+                     "最后一句。", "Tail"]
     rng = random.Random(0)
     for _ in range(50):
-        assert plan(random_pieces(LONG, rng), max_chars=10) == whole
+        assert plan(random_pieces(LONG, rng), max_chars=12) == whole
     assert plan([LONG], max_chars=1000) == [LONG]
+
+
+WORDS = st.sampled_from(["word", "3,000", "3.14", "你好", "世界", "長い", "x" * 30]) | st.text(max_size=6)
+GLUE = st.sampled_from([" ", ", ", ". ", "! ", "，", "。", "", "\n"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.tuples(WORDS, GLUE), max_size=120), max_chars=st.integers(4, 60),
+       seed=st.integers(0, 2**32))
+def test_no_utterance_grows_past_its_hard_limit_and_no_text_is_lost(parts, max_chars, seed):
+    """Whatever the text (no sentence end for pages, no space, wide characters): every utterance the planner closes
+    by itself is at most 2.5 x max_chars units long (plus two characters), the utterances are the text, and they
+    split the same however the text came in pieces. The engine's KV slot holds ~2,000 frames: at 600 (the server's
+    limit), 1,500 units of the slowest script are well inside it, where a page without a full stop was cut off."""
+    text = "".join(word + glue for word, glue in parts)
+    whole = plan([text], max_chars)
+    assert "".join(whole) == text
+    assert all(units(u) <= 2.5 * max_chars + 2 * WIDE_UNITS for u in whole)
+    if len(text) > 1:
+        assert plan(random_pieces(text, random.Random(seed)), max_chars) == whole
+
+
+def test_a_page_without_a_full_stop_is_spoken_in_bounded_utterances():
+    page = " ".join(["word"] * 800)  # 3,999 characters, no sentence end: one utterance would outgrow its slot
+    utterances = plan([page], max_chars=600)
+    assert "".join(utterances) == page and len(utterances) == 4
+    assert all(1200 <= units(u) <= 1210 for u in utterances[:-1])  # each closed at the first space past 1,200
 
 
 @pytest.mark.parametrize("mode,text,due_at_once", [

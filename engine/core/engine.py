@@ -148,8 +148,8 @@ class Engine:
         plan = self.tts.plan(text, request.voice, language=request.language, layout=request.layout,
                              sampling=request.sampling, max_frames=request.max_frames, guard=self.config.guard,
                              length=self.length)
-        max_frames = min(plan.max_frames, self._room(plan.prompt))
-        return Sequence(next(self._ids), request, plan.prompt, plan.sampling, max_frames)
+        room = self._room(plan.prompt)
+        return Sequence(next(self._ids), request, plan.prompt, plan.sampling, min(plan.max_frames, room), room=room)
 
     def _streaming(self, request: SynthesisRequest) -> Sequence:
         """A request whose text is still arriving; its prompt is built once its first text is in."""
@@ -236,7 +236,9 @@ class Engine:
         eos = self.tts.config.talker.codec_eos_token_id
         for part, codes in parts:
             self.scheduler.postprocess(part, codes.host(), eos)  # the step's one device-to-host copy
-        decoding.queue([s for part, _ in parts for s in part], held)
+        stepped = [s for part, _ in parts for s in part]
+        decoding.queue(stepped, held)
+        self._out_of_room(stepped)  # after its last frames are queued: an error's frames would not be decoded
         if not overlap:
             events += self._collect(decoding.queued_steps)
         elif first_audio := decoding.first_audio_step():
@@ -245,6 +247,15 @@ class Engine:
 
     def _collect(self, wait_through: int) -> list[Event]:
         return self.decoding.collect(self.scheduler.take_finished(), wait_through)
+
+    def _out_of_room(self, seqs: list[Sequence]) -> None:
+        """A request that filled its KV slot before its own end (EOS, its length limit) has not spoken all its
+        text: it ends with TextTooLong, after the audio it made, rather than passing as done with its end lost."""
+        for seq in seqs:
+            if seq.done == "length" and seq.frames >= seq.room:
+                seq.done, seq.error = "error", TextTooLong(
+                    f"the text filled the engine's context ({self.runner.capacity} positions, prompt included) before "
+                    f"its end: what did not fit was not spoken; split it into shorter sentences")
 
     def _frames(self, seqs: list[Sequence]) -> list[tuple[list[Sequence], StepCodes]]:
         """One frame for `seqs`: (requests, codes) of each batch that ran. A batch that raises is bisected until
@@ -290,7 +301,8 @@ class Engine:
         if feed.ended and not feed.text.strip():
             raise EmptyText("text is empty")
         seq.prompt = self.tts.prompt_from_ids(feed.ids, request.voice, request.language, "streaming")
-        seq.max_frames = min(seq.max_frames, self._room(seq.prompt))
+        seq.room = self._room(seq.prompt)
+        seq.max_frames = min(seq.max_frames, seq.room)
         voice = request.voice
         if voice.ref_codes is None:
             feed.consumed = 1

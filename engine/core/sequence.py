@@ -20,6 +20,7 @@ class Sequence:
     sampling: SamplingParams
     max_frames: int
     feed: TextFeed | None = None  # streaming text
+    room: int | None = None  # frames its KV slot holds after its prompt (known once the prompt is built)
     slot: int = -1
     frames: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)  # frames not yet queued for decoding

@@ -2,10 +2,13 @@
 and "Utterances").
 
 An utterance is one engine request with streaming text: the model is told its text is complete (`tts_eos`) only
-when the utterance closes. A flush, a mark and the end of the context close it; so does the planner itself at the
-first sentence end past `max_utterance_chars`, which bounds the KV cache and the speaking-rate drift of long inputs.
-Where utterances split depends only on the text and the client's flush / mark / end, never on timing or on how the
-text was cut into appends, so a seeded context sounds the same however its text arrived.
+when the utterance closes. A flush, a mark and the end of the context close it; so does the planner itself once it is
+long, which bounds the speaking-rate drift of long inputs and keeps every utterance well inside the engine's KV slot
+(an utterance that filled it would lose its end): at the first sentence end past `max_utterance_chars`, failing that
+at the first clause end past 1.5 times that, a space past twice that, and anywhere at 2.5 times. Lengths are counted
+in `units`: a wide (CJK) character is WIDE_UNITS, nearer the speech it takes than one Latin letter. Where utterances
+split depends only on the text and the client's flush / mark / end, never on timing or on how the text was cut into
+appends, so a seeded context sounds the same however its text arrived.
 
 Buffering decides only *when* an utterance's text starts going to the engine: `none` at once, `sentence` at a
 sentence end, `auto` at a clause boundary or `max_buffer_delay_s` after its first text, whichever comes first;
@@ -13,18 +16,24 @@ closing an utterance always starts it.
 """
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 
 CLAUSE_ENDS = frozenset(".,;:!?\n。，；：！？、")
 SENTENCE_ENDS = frozenset(".!?\n。！？")
 FULL_WIDTH_SENTENCE_ENDS = frozenset("。！？\n")  # end a sentence without a following space
+FULL_WIDTH_CLAUSE_ENDS = frozenset("。，；：！？、\n")  # end a clause without a following space
 BUFFERING = ("auto", "none", "sentence")
+# A wide character's length in units: Mandarin is read at ~4-5 characters a second, English at ~15 letters, so a
+# character of 3 units keeps the limits in the same seconds of speech (the engine's slot holds ~160 s).
+WIDE_UNITS = 3
 
 
 @dataclass
 class Utterance:
     index: int
     text: str = ""
+    units: int = 0  # the text's length in units (`units`)
     closed: bool = False
     started: bool = False  # its text goes to the engine from now on
     first_text_at: float | None = None
@@ -52,11 +61,13 @@ class UtterancePlanner:
             utterance = self.open or self._new()
             if utterance.first_text_at is None:
                 utterance.first_text_at = now
-            cut = self._long_sentence_end(utterance.text, text)
+            cut = self._cut(utterance, text)
             if cut is None:
                 utterance.text += text
+                utterance.units += units(text)
                 return
             utterance.text += text[:cut]
+            utterance.units += units(text[:cut])
             text = text[cut:]
             self.close()
 
@@ -85,14 +96,23 @@ class UtterancePlanner:
         self.utterances.append(Utterance(len(self.utterances)))
         return self.utterances[-1]
 
-    def _long_sentence_end(self, before: str, text: str) -> int | None:
-        """Where `text` should be cut to close a long utterance: just after the first sentence end (and the space
-        after it) past the length limit; None if there is none yet."""
-        whole = before + text
-        for i in range(max(len(before), self.max_utterance_chars), len(whole)):
-            if _sentence_ends_at(whole, i):
-                return i + 1 - len(before)
+    def _cut(self, utterance: Utterance, text: str) -> int | None:
+        """Where `text` should be cut to close the utterance, it being long (the module's docstring says where);
+        None if it is not due yet."""
+        whole, start, at = utterance.text + text, len(utterance.text), utterance.units  # at: units before whole[i]
+        limit = self.max_utterance_chars
+        for i in range(start, len(whole)):
+            char = whole[i]
+            if at >= limit and _sentence_ends_at(whole, i) or at >= 1.5 * limit and _clause_ends_at(whole, i) or (
+                    at >= 2 * limit and char.isspace()) or at >= 2.5 * limit:
+                return i + 1 - start
+            at += units(char)
         return None
+
+
+def units(text: str) -> int:
+    """The length of `text` as the utterance limits count it: WIDE_UNITS for a wide (CJK) character, else 1."""
+    return sum(WIDE_UNITS if unicodedata.east_asian_width(char) in "WF" else 1 for char in text)
 
 
 def _sentence_ends_at(text: str, i: int) -> bool:
@@ -100,6 +120,13 @@ def _sentence_ends_at(text: str, i: int) -> bool:
     if text[i] in FULL_WIDTH_SENTENCE_ENDS:
         return True
     return text[i].isspace() and i > 0 and text[i - 1] in SENTENCE_ENDS
+
+
+def _clause_ends_at(text: str, i: int) -> bool:
+    """A clause ends at text[i]: a full-width clause end, or whitespace after a clause end (so "3,000" goes on)."""
+    if text[i] in FULL_WIDTH_CLAUSE_ENDS:
+        return True
+    return text[i].isspace() and i > 0 and text[i - 1] in CLAUSE_ENDS
 
 
 def _has_sentence_end(text: str) -> bool:
