@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import CodecDecoderConfig
-from engine.model.layers import MLP, LayerScale, RMSNorm, RotaryEmbedding, apply_rope, repeat_kv
+from engine.model.layers import MLP, Derived, LayerScale, RMSNorm, RotaryEmbedding, apply_rope, repeat_kv
 
 
 @dataclass
@@ -151,49 +151,82 @@ class WindowAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self._qkv_weight = Derived(lambda: torch.cat([p.weight for p in self._projections()]))
+        self._qkv_bias = Derived(lambda: torch.cat([p.bias for p in self._projections()])) if bias else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 state: DecoderState, layer: int) -> torch.Tensor:
+        """`hidden`: the keys each query may not see (`window_mask`), the same for every layer."""
         b, n, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        qkv = F.linear(x, *self._qkv())
+        heads = qkv.unflatten(-1, (self.heads + 2 * self.kv_heads, self.head_dim)).transpose(1, 2)
+        # q and k rotate as one tensor: the same elementwise ops, half the launches
+        q, k = apply_rope(heads[:, : self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), 1)
+        v = heads[:, self.heads + self.kv_heads:]
         keys = torch.cat((state.keys[layer], k), dim=2)
         values = torch.cat((state.values[layer], v), dim=2)
         state.keys[layer], state.values[layer] = keys[:, :, -self.window:], values[:, :, -self.window:]
-        out = self._attend(q, keys, values, self._mask(position, n, keys.shape[2]))
+        out = self._attend(q, keys, values, hidden)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k and v's weights (and biases) as one [(Hq + 2 Hkv) D, hidden] matrix: one product for the three."""
+        projections = self._projections()
+        weight = self._qkv_weight(*(p.weight for p in projections))
+        return weight, None if self._qkv_bias is None else self._qkv_bias(*(p.bias for p in projections))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor
+                ) -> torch.Tensor:
         """Plain masked softmax attention: a window of 72 keys is too small for fused kernels to matter, and
-        their mask and shape constraints vary by backend."""
+        their mask and shape constraints vary by backend. The softmax upcasts as it reads (one kernel, the same
+        arithmetic as `.float().softmax()`)."""
         group = self.heads // self.kv_heads
         keys, values = repeat_kv(keys, group), repeat_kv(values, group)
         scores = (q @ keys.transpose(-1, -2)) * self.head_dim ** -0.5
-        weights = scores.masked_fill(~mask, float("-inf")).float().softmax(dim=-1).to(q.dtype)
+        weights = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
         return weights @ values
 
-    def _mask(self, position: torch.Tensor, n: int, total: int) -> torch.Tensor:
-        """[B, 1, n, total] boolean: cached slot s holds frame position - window + s; new frames follow."""
-        key_pos = position[:, None] - self.window + torch.arange(total, device=position.device)[None]
-        query_pos = position[:, None] + torch.arange(n, device=position.device)[None]
-        rel = query_pos[:, :, None] - key_pos[:, None, :]
-        visible = (rel >= 0) & (rel < self.window) & (key_pos[:, None, :] >= 0)
-        return visible[:, None]
+
+def window_mask(position: torch.Tensor, n: int, window: int) -> torch.Tensor:
+    """[B, 1, n, window + n] boolean, True where a query may NOT look: cached slot s holds frame
+    position - window + s, the n new frames follow; a query sees the `window` frames up to its own. Built once per
+    decode call (a dozen small kernels), not once per layer."""
+    key_pos = position[:, None] - window + torch.arange(window + n, device=position.device)[None]
+    query_pos = position[:, None] + torch.arange(n, device=position.device)[None]
+    rel = query_pos[:, :, None] - key_pos[:, None, :]
+    hidden = (rel < 0) | (rel >= window) | (key_pos[:, None, :] < 0)
+    return hidden[:, None]
+
+
+class GateUpMLP(MLP):
+    """SwiGLU with gate and up as one matrix product. (The talker's simple path keeps two: its codes are compared bit
+    for bit with the reference's, and a merged product may round differently on some backends; the decoder's audio
+    is compared within 1e-4.)"""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__(hidden, intermediate)
+        self._gate_up = Derived(lambda: torch.cat((self.gate_proj.weight, self.up_proj.weight)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self._gate_up(self.gate_proj.weight, self.up_proj.weight)).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: CodecDecoderConfig) -> None:
         super().__init__()
         self.self_attn = WindowAttention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GateUpMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
 
-    def forward(self, x, cos, sin, position, state: DecoderState, layer: int) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, position, state, layer)
+    def forward(self, x, cos, sin, hidden, state: DecoderState, layer: int) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, hidden, state, layer)
         x = x + self.self_attn_layer_scale(attn)
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
@@ -206,6 +239,7 @@ class PreTransformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.window = cfg.sliding_window
 
     def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
         """x [B, n, latent] for frames state.position .. + n."""
@@ -213,8 +247,9 @@ class PreTransformer(nn.Module):
         positions = state.position[:, None] + torch.arange(n, device=x.device)[None]
         x = self.input_proj(x)
         cos, sin = self.rotary(positions, x.dtype)
+        hidden = window_mask(state.position, n, self.window)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, state.position, state, i)
+            x = layer(x, cos, sin, hidden, state, i)
         return self.output_proj(self.norm(x))
 
 
@@ -225,9 +260,11 @@ class Codebook(nn.Module):
         super().__init__()
         self.cluster_usage = nn.Parameter(torch.ones(size))
         self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+        self._vectors = Derived(lambda: self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None])
 
     def vectors(self) -> torch.Tensor:
-        return self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+        """embedding_sum / usage, as the reference divides them: made once (`Derived`), not in every decode call."""
+        return self._vectors(self.embedding_sum, self.cluster_usage)
 
 
 class VQLayer(nn.Module):

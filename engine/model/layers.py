@@ -16,6 +16,24 @@ from torch import nn
 from engine.config import TransformerConfig
 
 
+class Derived:
+    """A tensor made from a module's weights (a codebook's vectors, merged projections), made once and again only
+    when the weights change: moved, cast, replaced or loaded into (their device, dtype, storage and version). What
+    the reference recomputes on every call costs nothing per call then; a decode call makes it before any CUDA graph
+    is captured, so a capture only reads it."""
+
+    def __init__(self, make: Callable[[], torch.Tensor]) -> None:
+        self.make = make
+        self._key: tuple | None = None
+        self._value: torch.Tensor | None = None
+
+    def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
+        key = tuple((w.device, w.dtype, w.data_ptr(), w._version) for w in weights)
+        if key != self._key:
+            self._key, self._value = key, self.make()
+        return self._value
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
