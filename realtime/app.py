@@ -87,6 +87,8 @@ def create_app(gateway: Gateway) -> Starlette:
 
         async def handle() -> Response:
             spoken = parse_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
+            if spoken.sse:
+                delivery.input_tokens = len(gateway.tts.tokenizer.encode(spoken.text))
             return await speech_response(spoken, start_speech(spoken, gateway), delivery,
                                          lambda: _client_gone(request))
         response = await _http(request, gateway, auth, handle)

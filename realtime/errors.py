@@ -27,7 +27,9 @@ class HTTPFailure(Exception):
     message: str
 
     def body(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message}}
+        """OpenAI's error shape (its SDKs read `type` and `param` too): our code, the message, and OpenAI's type."""
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"code": self.code, "message": self.message, "type": kind, "param": None}}
 
     @classmethod
     def of(cls, failure: ProtocolError, status: int | None = None) -> "HTTPFailure":

@@ -26,21 +26,30 @@ log = logging.getLogger("voxgate")
 
 Encoded = AsyncIterator[tuple[bytes, int]]  # (bytes ready to send, samples that went in for them)
 CLIENT_GONE = 499  # the status logged for a whole body whose client left before it was made (nginx's)
+SAMPLES_PER_FRAME = MODEL_SAMPLE_RATE * 2 // 25  # one 12.5 Hz codec frame (1920): the audio token `usage` counts
 
 
 @dataclass
 class Delivery:
-    """What one response sent, for the metrics."""
+    """What one response sent, for the metrics and OpenAI's `usage`."""
     metrics: TransportMetrics
     arrived: float  # time.monotonic() when the request reached the handler
     first_audio_sent: bool = False
+    input_tokens: int = 0  # the text's tokens (set for SSE, whose last event reports usage)
+    samples: int = 0  # model-rate samples sent so far
 
     def sent(self, samples: int, data: bytes) -> None:
         """After `data` went out, carrying the encoder's output for `samples` more samples."""
         if data and samples and not self.first_audio_sent:
             self.first_audio_sent = True
             self.metrics.ttfa.observe(time.monotonic() - self.arrived)
+        self.samples += samples
         self.metrics.audio_seconds.inc(samples / MODEL_SAMPLE_RATE)
+
+    def usage(self) -> dict[str, int]:
+        """OpenAI's usage of a speech response: text tokens in, audio tokens out (the codec's 80 ms frames)."""
+        output = -(-self.samples // SAMPLES_PER_FRAME)
+        return {"input_tokens": self.input_tokens, "output_tokens": output, "total_tokens": self.input_tokens + output}
 
     def failed(self, failure: HTTPFailure) -> None:
         self.metrics.error(failure.code)
@@ -123,18 +132,18 @@ async def _audio_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[byte
 
 
 async def _sse_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[bytes]:
-    """OpenAI's speech events: `speech.audio.delta` with the format's bytes in base64, then `speech.audio.done`; a
-    failure after the first event is an `error` event."""
+    """OpenAI's speech events: `speech.audio.delta` with the format's bytes in base64, then `speech.audio.done` with
+    the `usage` OpenAI's schema requires of it; a failure after the first event is an `error` event."""
     try:
         async with contextlib.aclosing(pieces):
             async for data, samples in pieces:
                 if data:
                     yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
                 delivery.sent(samples, data)
-        yield _event({"type": "speech.audio.done"})
+        yield _event({"type": "speech.audio.done", "usage": delivery.usage()})
     except HTTPFailure as failure:
         delivery.failed(failure)
-        yield _event({"type": "error", **failure.body()["error"]})
+        yield _event({"type": "error", "code": failure.code, "message": failure.message})
 
 
 def _event(payload: dict) -> bytes:

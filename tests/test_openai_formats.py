@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import json
+import math
 import socket
 import threading
 import time
@@ -141,8 +142,12 @@ def test_sse_deltas_carry_the_format_as_it_is_made(server, client, response_form
     assert kinds[-1] == "speech.audio.done" and set(kinds[:-1]) == {"speech.audio.delta"} and len(kinds) > 3
     assert events[0][0] < 0.5 * events[-1][0]
     body = b"".join(base64.b64decode(event["audio"]) for _, event in events[:-1])
-    assert_length(decoded_length(body, response_format), http_audio_samples(server) - before, response_format,
-                  streamed=True)
+    samples = http_audio_samples(server) - before
+    assert_length(decoded_length(body, response_format), samples, response_format, streamed=True)
+    # OpenAI's schema requires usage on the last event: text tokens in, audio tokens (80 ms codec frames) out
+    tokens = len(server.gateway.tts.tokenizer.encode(LONG_TEXT))
+    assert events[-1][1]["usage"] == {"input_tokens": tokens, "output_tokens": math.ceil(samples / 1920),
+                                      "total_tokens": tokens + math.ceil(samples / 1920)}
 
 
 # --- metrics ------------------------------------------------------------------------------------------------------
@@ -185,7 +190,9 @@ def test_http_errors_are_counted_by_code(server, body, status, code):
     before = metric(server, "voxgate_errors_total", code=code, transport="http")
     before_status = metric(server, "voxgate_http_speech_requests_total", status=str(status))
     got, _, payload = server.post("/v1/audio/speech", body)
-    assert got == status and json.loads(payload)["error"]["code"] == code
+    error = json.loads(payload)["error"]
+    assert got == status and error["code"] == code and error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None  # OpenAI's shape, its SDKs read them
     assert metric(server, "voxgate_errors_total", code=code, transport="http") == before + 1
     assert metric(server, "voxgate_http_speech_requests_total", status=str(status)) == before_status + 1
     assert metric(server, "voxgate_errors_total", code=code, transport="ws") == 0
