@@ -4,14 +4,16 @@ their times, closing a stream mid-speech cancels it with no audio after, and poo
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import aiohttp
 import numpy as np
 import pytest
-from livekit.agents import APIError, APIStatusError
+from livekit.agents import APIConnectionError, APIError, APIStatusError
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT, APIConnectOptions
 
-from tests.gateway_server import short_speech_server
+from realtime.gateway import Limits
+from tests.gateway_server import running_server, short_speech_server
 from voxgate_client.client import VoxgateClient
 from voxgate_client.livekit import TTS, VoiceOptions
 
@@ -173,3 +175,79 @@ def test_text_the_server_refuses_fails_the_stream_with_its_code(server):
     with pytest.raises(APIError) as failure:
         asyncio.run(go())
     assert failure.value.body["code"] == "invalid_message" and not failure.value.retryable
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def failed_stream(voxgate: TTS, retries: int) -> tuple[BaseException, list]:
+    """A stream that cannot get a session: what it raises, and the `error` events LiveKit emitted."""
+    reported = []
+    voxgate.on("error", reported.append)
+    stream = voxgate.stream(conn_options=APIConnectOptions(max_retry=retries, retry_interval=0.01, timeout=5))
+    stream.push_text(TEXT)
+    stream.end_input()
+    with pytest.raises(APIError) as failure:
+        async for _ in stream:
+            pass
+    await stream.aclose()
+    return failure.value, reported
+
+
+def test_a_server_that_cannot_be_reached_is_a_retried_connection_error():
+    """LiveKit retries and reports only its own API errors: an unreachable server must be one."""
+    async def go():
+        async with TTS(base_url=f"http://127.0.0.1:{free_port()}") as voxgate:
+            return await failed_stream(voxgate, retries=1)
+
+    error, reported = asyncio.run(go())
+    assert isinstance(error, APIConnectionError) and error.retryable
+    assert all(isinstance(event.error, APIConnectionError) for event in reported)
+    assert [event.recoverable for event in reported] == [True, False]  # one retry, then given up
+
+
+@pytest.mark.parametrize("api_key, status", [("wrong", 401), ("k", 400)])
+def test_a_refused_session_is_a_status_error_that_is_not_retried(api_key, status):
+    """A wrong key (401) and a voice the server does not have (400) fail at once: retrying cannot help."""
+    async def go():
+        with running_server(Limits(api_keys=("k",))) as keyed:
+            async with TTS(base_url=keyed.http, api_key=api_key, voice=VoiceOptions(voice="nobody")) as voxgate:
+                return await failed_stream(voxgate, retries=2)
+
+    error, reported = asyncio.run(go())
+    assert isinstance(error, APIStatusError) and error.status_code == status and not error.retryable
+    assert len(reported) == 1 and not reported[0].recoverable
+
+
+def test_a_pooled_socket_that_closed_meanwhile_is_replaced(server):
+    """A server restart closes the idle pooled sockets: the next stream takes a new one instead of failing."""
+    async def go():
+        async with TTS(base_url=server.http) as voxgate:
+            first = voxgate.stream()
+            first.push_text(TEXT)
+            first.end_input()
+            [event async for event in first]
+            await first.aclose()
+            pooled = await voxgate._pool.get(timeout=5)
+            voxgate._pool.put(pooled)
+            await pooled.ws.close(1001)  # as a stopping server closes it
+            stream = voxgate.stream(conn_options=APIConnectOptions(max_retry=0))
+            stream.push_text(TEXT)
+            stream.end_input()
+            events = [event async for event in stream]
+            await stream.aclose()
+        return stream, events
+
+    stream, events = asyncio.run(go())
+    assert stream.closing_event["type"] == "context.done" and events
+
+
+def test_synthesize_of_blank_text_is_no_audio_and_no_error(server):
+    async def go():
+        async with aiohttp.ClientSession() as http, TTS(base_url=server.http, http_session=http) as voxgate:
+            return [event async for event in voxgate.synthesize("  ")]
+
+    assert asyncio.run(go()) == []

@@ -27,13 +27,16 @@ from livekit.agents import APIConnectionError, APIError, APIStatusError, APITime
 from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, APIConnectOptions, TimedString
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, WebSocketException
+from websockets.protocol import State
 
 from voxgate_client.protocol import (
+    ServerError,
     auth_headers,
     check_pcm_rate,
     client_message,
     handshake,
+    http_status,
     keepalive_interval_s,
     parse_frame,
 )
@@ -98,16 +101,26 @@ class TTS(tts.TTS):
         return "ws" + self.base_url.removeprefix("http") + "/v1/tts/stream"
 
     async def _connect(self, timeout: float) -> Connection:
-        async with asyncio.timeout(timeout):
-            ws = await ws_connect(self.socket_url, additional_headers=auth_headers(self.api_key), compression=None)
-            try:
-                session = await handshake(
-                    ws, audio={"encoding": "pcm_s16le", "sample_rate": self.sample_rate}, timestamps="word",
-                    voice=self.voice.voice, language=self.voice.language, instructions=self.voice.instructions,
-                    sampling=None if self.voice.seed is None else {"seed": self.voice.seed})
-            except BaseException:
-                await ws.close()
-                raise
+        """A new session, or LiveKit's error for why there is none (its stream retries and reports only those)."""
+        try:
+            async with asyncio.timeout(timeout):
+                ws = await ws_connect(self.socket_url, additional_headers=auth_headers(self.api_key),
+                                      compression=None)
+                try:
+                    session = await handshake(
+                        ws, audio={"encoding": "pcm_s16le", "sample_rate": self.sample_rate}, timestamps="word",
+                        voice=self.voice.voice, language=self.voice.language, instructions=self.voice.instructions,
+                        sampling=None if self.voice.seed is None else {"seed": self.voice.seed})
+                except BaseException:
+                    await ws.close()
+                    raise
+        except ServerError as refused:  # unauthorized, overloaded, a voice or field the server does not take
+            raise APIStatusError(f"voxgate {refused.code}: {refused.message}", status_code=http_status(refused.code),
+                                 body={"code": refused.code, "message": refused.message}) from refused
+        except TimeoutError:
+            raise APITimeoutError(f"voxgate: no session within {timeout} s") from None
+        except (OSError, WebSocketException) as failure:  # unreachable, or no WebSocket there
+            raise APIConnectionError(f"voxgate: cannot connect to {self.socket_url}") from failure
         return Connection(ws, session)
 
     def synthesize(self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
@@ -145,6 +158,8 @@ class ChunkedStream(tts.ChunkedStream):
                 "language": voice.language, "instructions": voice.instructions, "seed": voice.seed}
         output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=self._tts.sample_rate, num_channels=1,
                                   mime_type="audio/pcm")
+        if not self.input_text.strip():
+            return  # LiveKit's base takes blank text as nothing to say (the server would refuse it as empty_text)
         pcm = _PCMToRate(self._tts.sample_rate)
         try:
             async with self._tts.http_session().post(
@@ -180,7 +195,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         text = await self._first_text()
         if text is None:
             return  # the input ended before any text: nothing to speak
-        connection = await self._tts._pool.get(timeout=self._conn_options.timeout)
+        connection = await self._open_connection()
         try:
             output_emitter.start_segment(segment_id=context_id)
             voice = self._tts.voice
@@ -192,10 +207,21 @@ class SynthesizeStream(tts.SynthesizeStream):
         except asyncio.CancelledError:
             await self._cancel(connection, context_id)
             raise
+        except (OSError, WebSocketException) as failure:  # the socket closed under a send: LiveKit retries
+            self._tts._pool.remove(connection)
+            raise APIConnectionError("voxgate closed the socket") from failure
         except BaseException:
             self._tts._pool.remove(connection)
             raise
         self._tts._pool.put(connection)
+
+    async def _open_connection(self) -> Connection:
+        """A pooled session whose socket is still open: a server that restarted closed the idle ones."""
+        while True:
+            connection = await self._tts._pool.get(timeout=self._conn_options.timeout)
+            if connection.ws.state is State.OPEN:
+                return connection
+            self._tts._pool.remove(connection)
 
     async def _first_text(self) -> str | None:
         async for data in self._input_ch:

@@ -23,6 +23,11 @@ PCM_SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)  # PROTOCOL.md "For
 # session.start errors after which the server still answers with session.started (the other fields applied)
 CONFIG_ERRORS = frozenset({"invalid_config", "unsupported_format"})
 _start_ids = itertools.count(1)
+# The HTTP status a refusal's code stands for (the speech endpoint answers with these; a socket's refusal carries only
+# the code): what frameworks tell a lasting failure (401, 400) from one worth retrying (503, 429) by. "closed": the
+# server closed the socket before it said anything (it is stopping).
+_STATUS_OF_CODE = {"unauthorized": 401, "unknown_voice": 404, "rate_limited": 429, "internal": 500,
+                   "synthesis_failed": 500, "overloaded": 503, "closed": 503}
 
 
 class ServerError(Exception):
@@ -31,6 +36,11 @@ class ServerError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code, self.message = code, message
+
+
+def http_status(code: str) -> int:
+    """The HTTP status of a server error code: 400 for the codes of a request it will not take as it is."""
+    return _STATUS_OF_CODE.get(code, 400)
 
 
 class VoxgateRefused(ServerError):
