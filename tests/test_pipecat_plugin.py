@@ -30,9 +30,11 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode
+from pipecat.utils.errors import ErrorCategory
 from pipecat.workers.runner import WorkerRunner
 
-from tests.gateway_server import short_speech_server
+from realtime.gateway import Limits
+from tests.gateway_server import running_server, short_speech_server
 from voxgate_client.client import VoxgateClient
 from voxgate_client.pipecat import VoxgateTTSService, join_sentence
 
@@ -249,7 +251,7 @@ def test_text_the_server_refuses_ends_its_turn_with_the_code_and_the_next_turn_s
     async def go():
         tts = VoxgateTTSService(url=server.ws)
         errors = []
-        tts.add_event_handler("on_error", lambda _, frame: errors.append(frame.error))
+        tts.add_event_handler("on_error", lambda _, frame: errors.append(frame))
         async with Run(tts, 24000) as run:
             await run.worker.queue_frame(TTSSpeakFrame("Broken \ud800 text."))
             await run.turn("Fine text.")
@@ -257,7 +259,10 @@ def test_text_the_server_refuses_ends_its_turn_with_the_code_and_the_next_turn_s
         return run, errors
 
     run, errors = asyncio.run(go())
-    assert any(error.startswith("voxgate error invalid_message") for error in errors), errors
+    assert any(error.error.startswith("voxgate error invalid_message") for error in errors), errors
+    # one turn's refused text is the application's: not a lasting fault of the service, which stays usable
+    ours = [error for error in errors if error.error.startswith("voxgate")]  # Pipecat adds "no audio" of its own
+    assert {error.category for error in ours} == {ErrorCategory.APPLICATION} and run.tts.is_usable
     (context_id, done), = run.finished.items()
     assert done["type"] == "context.done" and {f.context_id for f in run.of(TTSAudioRawFrame)} == {context_id}
     assert len(run.of(TTSStoppedFrame)) == 2  # the refused turn's and the spoken one's
@@ -294,3 +299,48 @@ def test_sentences_are_joined_as_text_is_written():
     assert join_sentence("", "Sure!") == "Sure!" and join_sentence("Sure!", "The") == " The"
     assert join_sentence("Sure! ", "The") == "The" and join_sentence("Sure!", " The") == " The"
     assert join_sentence("你好。", "今天很好。") == "今天很好。"
+
+
+def test_a_wrong_key_is_an_authentication_error_that_leaves_the_service_unusable():
+    """Pipecat treats an authentication error as lasting (no reconnect loop, a service switcher fails over): the
+    server's refusal, which comes after the socket opened (close 4001), must be classified as one."""
+    async def go():
+        with running_server(Limits(api_keys=("k",))) as keyed:
+            tts = VoxgateTTSService(url=keyed.ws, api_key="wrong")
+            errors = []
+            tts.add_event_handler("on_error", lambda _, frame: errors.append(frame))
+            async with Run(tts, 24000):
+                await asyncio.sleep(0.5)
+            return tts, errors
+
+    tts, errors = asyncio.run(go())
+    assert errors and errors[0].category == ErrorCategory.AUTHENTICATION and "unauthorized" in errors[0].error
+    assert not tts.is_usable
+
+
+def test_chinese_words_carry_their_own_spacing_and_punctuation(server):
+    """Pipecat rebuilds the turn's text from the word frames, with spaces between them unless a frame carries its
+    own: the CJK words (a character and its punctuation) say they do, so the text stays as written."""
+    async def go():
+        async with Run(VoxgateTTSService(url=server.ws), 24000) as run:
+            await run.turn("你好。今天天气很好。")
+            await asyncio.wait_for(run.until_finished(1), 60)
+        return run
+
+    words = [frame for frame in asyncio.run(go()).of(TTSTextFrame)]
+    assert "".join(word.text for word in words) == "你好。今天天气很好。"
+    assert all(word.includes_inter_frame_spaces for word in words)
+
+
+def test_a_turn_that_dialed_during_a_reconnect_keeps_its_socket(server):
+    """Pipecat's reconnect loop waits out a backoff between attempts; a turn in that gap dials a socket itself. The
+    next attempt must keep that socket (and the turn's context on it) rather than close it to dial again."""
+    async def go():
+        tts = VoxgateTTSService(url=server.ws)
+        async with Run(tts, 24000):
+            dialed = tts._websocket
+            kept = await tts._reconnect_websocket(1)
+            return dialed, kept, tts._websocket
+
+    dialed, kept, after = asyncio.run(go())
+    assert dialed is not None and kept and after is dialed

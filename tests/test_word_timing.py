@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from realtime.ws.word_timing import WordTimeline, nominal_duration_s
 
@@ -29,10 +31,10 @@ def test_a_word_never_starts_before_the_audio_made_when_its_text_arrived():
     assert second[0].start_s == 5.0
 
 
-def test_chinese_characters_are_words_and_punctuation_alone_is_not():
+def test_chinese_characters_are_words_with_their_punctuation_and_punctuation_alone_is_not():
     timeline = WordTimeline()
     words = timeline.add(0, "你好，世界 - ok", final=True, audio_end_s=0.0)
-    assert [w.text for w in words] == ["你", "好", "世", "界", "ok"]
+    assert [w.text for w in words] == ["你", "好，", "世", "界", "ok"]
     assert words[1].end_s - words[1].start_s == pytest.approx(0.22)
     assert words[2].start_s - words[1].end_s == pytest.approx(0.15)  # the full-width comma's pause
     assert words[1].start_s == words[0].end_s
@@ -47,3 +49,17 @@ def test_heard_text_is_the_text_up_to_the_last_word_half_played():
     assert timeline.heard_text(morning.end_s) == "Good morning,"
     assert timeline.heard_text(dear.end_s + 0.01) == "Good morning, dear"
     assert timeline.heard_text(100.0) == "Good morning, dear friends."
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.sampled_from(list("你好世界，。！ab ,.?-*")), max_size=30), data=st.data())
+def test_words_and_their_times_are_the_same_however_the_text_arrives(text, data):
+    """A word is timed once the character after it is in: a CJK character waits too, so that the punctuation after
+    it joins it whether or not it came in the same append."""
+    whole = WordTimeline().add(0, text, final=True, audio_end_s=0.0)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)))) if len(text) > 1 else set())
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    timeline, words = WordTimeline(), []
+    for i, piece in enumerate(pieces):
+        words += timeline.add(0, piece, final=i == len(pieces) - 1, audio_end_s=0.0)
+    assert words == whole

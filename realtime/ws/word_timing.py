@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass
 
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
-# a CJK character is a word of its own; elsewhere a word is a run of non-space characters
-_TOKEN = re.compile(f"[{_CJK}]|[^\\s{_CJK}]+")
+# a CJK character is a word of its own, with the punctuation right after it ("好。"); elsewhere a word is a run of
+# non-space characters: either way a word keeps the punctuation after it (a client rebuilding the text loses none)
+_TOKEN = re.compile(f"[{_CJK}][^\\w\\s{_CJK}]*|[^\\s{_CJK}]+")
 _SPOKEN = re.compile(r"\w")
 _MARKUP = "*_#`~>|[](){}\"'"  # stripped from a word's edges (not read out)
 
@@ -54,7 +55,7 @@ class WordTimeline:
         self.text += text
         timed = []
         for token in _TOKEN.finditer(self.text, self._untimed_from):
-            if token.end() == len(self.text) and not final and not _is_cjk(token.group()):
+            if token.end() == len(self.text) and not final:  # the next character may still belong to it
                 break
             self._untimed_from = token.end()
             word = token.group().strip(_MARKUP)
@@ -78,5 +79,6 @@ class WordTimeline:
         return self.text[:end].strip()
 
 
-def _is_cjk(token: str) -> bool:
-    return len(token) == 1 and re.match(f"[{_CJK}]", token) is not None
+def _is_cjk(word: str) -> bool:
+    """A CJK character, and the punctuation after it."""
+    return re.match(f"[{_CJK}]", word) is not None

@@ -36,7 +36,6 @@ from voxgate_client.protocol import (
     check_pcm_rate,
     client_message,
     handshake,
-    http_status,
     keepalive_interval_s,
     parse_frame,
 )
@@ -115,7 +114,7 @@ class TTS(tts.TTS):
                     await ws.close()
                     raise
         except ServerError as refused:  # unauthorized, overloaded, a voice or field the server does not take
-            raise APIStatusError(f"voxgate {refused.code}: {refused.message}", status_code=http_status(refused.code),
+            raise APIStatusError(f"voxgate {refused.code}: {refused.message}", status_code=refused.status_code,
                                  body={"code": refused.code, "message": refused.message}) from refused
         except TimeoutError:
             raise APITimeoutError(f"voxgate: no session within {timeout} s") from None

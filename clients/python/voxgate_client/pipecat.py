@@ -19,6 +19,7 @@ How Pipecat's notions map onto the protocol:
 """
 from __future__ import annotations
 
+import itertools
 import json
 import unicodedata
 from collections.abc import AsyncGenerator
@@ -30,10 +31,12 @@ from pipecat.processors.frame_processor import FrameProcessorSetup
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, WebsocketTTSService
 from pipecat.transcriptions.language import Language
+from pipecat.utils.errors import ErrorCategory
 from websockets.asyncio.client import ClientConnection
 from websockets.protocol import State
 
 from voxgate_client.protocol import (
+    ServerError,
     auth_headers,
     check_pcm_rate,
     client_message,
@@ -109,6 +112,8 @@ class VoxgateTTSService(WebsocketTTSService):
             self._session = await handshake(websocket, **self._session_fields())
         except Exception as failure:  # refused, unreachable, or a field the server would not take
             self._websocket = None
+            # Pipecat classifies it by the exception: a refusal's status (ServerError.status_code: unauthorized and
+            # a refused voice are lasting, overloaded is not), a connection error as connectivity
             await self.push_error(error_msg=f"voxgate connection failed: {failure}", exception=failure)
             await self._call_event_handler("on_connection_error", str(failure))
             return
@@ -117,6 +122,13 @@ class VoxgateTTSService(WebsocketTTSService):
         self._started_contexts.clear()
         self._stream_contexts.clear()
         await self._call_event_handler("on_connected")
+
+    async def _reconnect_websocket(self, attempt_number: int) -> bool:
+        """A turn that came while Pipecat's reconnect loop waited out its backoff dialed a socket of its own
+        (`run_tts`): keep it, and the turn's context on it, instead of closing it to dial again."""
+        if self._websocket is not None and self._websocket.state is State.OPEN:
+            return True
+        return await super()._reconnect_websocket(attempt_number)
 
     def _session_fields(self) -> dict[str, Any]:
         """What `session.start` asks for: PCM at the pipeline's rate, word timestamps, the voice (checked by the
@@ -211,7 +223,7 @@ class VoxgateTTSService(WebsocketTTSService):
             self._started_contexts.add(context_id)
             self._stream_contexts[event["stream_id"]] = context_id
         elif kind == "timestamps":
-            await self.add_word_timestamps(list(zip(event["words"], event["start"])), context_id)
+            await self._add_words(event, context_id)
         elif kind in ("context.done", "context.cancelled"):
             await self._finish(context_id)
             await self._call_event_handler("on_context_finished", context_id, event)
@@ -220,11 +232,26 @@ class VoxgateTTSService(WebsocketTTSService):
         elif kind == "warning":
             logger.warning(f"{self}: voxgate warning {event.get('code')}: {event.get('message')}")
 
+    async def _add_words(self, event: dict[str, Any], context_id: str) -> None:
+        """Pipecat joins word frames with spaces unless a frame says it carries its own: CJK words (a character and
+        its punctuation, no spaces between them) say so, so that the turn's text in the LLM context stays as
+        written."""
+        words = list(zip(event["words"], event["start"]))
+        for wide, run in itertools.groupby(words, key=lambda word: _is_wide(word[0][0])):
+            await self.add_word_timestamps(list(run), context_id, includes_inter_frame_spaces=True if wide else None)
+
     async def _on_error(self, event: dict[str, Any]) -> None:
         """Errors go up the pipeline; one that kept a turn's context from opening ends that turn's audio. Appends
-        carry the context id as `event_id`: an append the server could not read is still known as the turn's."""
+        carry the context id as `event_id`: an append the server could not read is still known as the turn's. A
+        fatal error (the session closes: unauthorized, idle, a slow consumer) is classified by its status; one
+        turn's refused text is the application's, and leaves the service usable."""
         context_id = event.get("context_id") or event.get("event_id")
-        await self.push_error(error_msg=f"voxgate error {event.get('code')}: {event.get('message')}")
+        message = f"voxgate error {event.get('code')}: {event.get('message')}"
+        if event.get("fatal"):
+            await self.push_error(error_msg=message, exception=ServerError(event.get("code", ""),
+                                                                           event.get("message", "")))
+        else:
+            await self.push_error(error_msg=message, category=ErrorCategory.APPLICATION)
         if context_id and context_id not in self._started_contexts:
             self._open_contexts.pop(context_id, None)
             await self._finish(context_id)

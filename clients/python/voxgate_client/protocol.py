@@ -37,6 +37,11 @@ class ServerError(Exception):
         super().__init__(f"{code}: {message}")
         self.code, self.message = code, message
 
+    @property
+    def status_code(self) -> int:
+        """The HTTP status its code stands for (`http_status`), where frameworks look for one to classify it."""
+        return http_status(self.code)
+
 
 def http_status(code: str) -> int:
     """The HTTP status of a server error code: 400 for the codes of a request it will not take as it is."""
