@@ -15,7 +15,7 @@ from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT, APIConnectOptions
 from realtime.gateway import Limits
 from tests.gateway_server import running_server, short_speech_server
 from voxgate_client.client import VoxgateClient
-from voxgate_client.livekit import TTS, VoiceOptions
+from voxgate_client.livekit import TTS, SynthesizeStream, VoiceOptions
 
 SEED = 5
 TEXT = "Hello there, how are you today?"
@@ -65,15 +65,20 @@ def test_a_stream_is_the_servers_audio_at_the_tts_rate(server):
     assert len(reference) // 2 == round(stream.closing_event["audio_ms"] * 16)
 
 
+async def spoken(voxgate: TTS, **options) -> tuple[SynthesizeStream, list]:
+    """One stream of TEXT run to its end: the stream (its `closing_event`) and its events."""
+    stream = voxgate.stream(**options)
+    stream.push_text(TEXT)
+    stream.end_input()
+    events = [event async for event in stream]
+    await stream.aclose()
+    return stream, events
+
+
 def test_a_stream_carries_the_words_with_their_times(server):
     async def go():
         async with TTS(base_url=server.http) as voxgate:
-            stream = voxgate.stream()
-            stream.push_text(TEXT)
-            stream.end_input()
-            events = [event async for event in stream]
-            await stream.aclose()
-        return events
+            return (await spoken(voxgate))[1]
 
     events = asyncio.run(go())
     words = [w for e in events for w in e.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
@@ -226,20 +231,11 @@ def test_a_pooled_socket_that_closed_meanwhile_is_replaced(server):
     """A server restart closes the idle pooled sockets: the next stream takes a new one instead of failing."""
     async def go():
         async with TTS(base_url=server.http) as voxgate:
-            first = voxgate.stream()
-            first.push_text(TEXT)
-            first.end_input()
-            [event async for event in first]
-            await first.aclose()
+            await spoken(voxgate)
             pooled = await voxgate._pool.get(timeout=5)
             voxgate._pool.put(pooled)
             await pooled.ws.close(1001)  # as a stopping server closes it
-            stream = voxgate.stream(conn_options=APIConnectOptions(max_retry=0))
-            stream.push_text(TEXT)
-            stream.end_input()
-            events = [event async for event in stream]
-            await stream.aclose()
-        return stream, events
+            return await spoken(voxgate, conn_options=APIConnectOptions(max_retry=0))
 
     stream, events = asyncio.run(go())
     assert stream.closing_event["type"] == "context.done" and events
