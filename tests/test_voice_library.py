@@ -51,7 +51,7 @@ def upload(server, name: str | None, audio: bytes | None = None, token: str | No
 
 def error_code(response: httpx.Response) -> str:
     body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "type", "param"}, body  # OpenAI's
     assert VOICE_LIBRARY_STATUS.get(body["error"]["code"], response.status_code) == response.status_code, body
     return body["error"]["code"]
 
