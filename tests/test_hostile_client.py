@@ -101,11 +101,13 @@ def healthy(server):
 
 # --- what a hostile client sends ---------------------------------------------------------------------------------
 
-BIG_INTEGER, DEEP_NESTING = "\x00big-integer\x00", "\x00deep-nesting\x00"  # spliced into the JSON text as written
+# spliced into the JSON text as written; ESCAPED_QUOTES is an unterminated string of 100,000 escaped quotes (200 KB),
+# which a regex that skipped strings to measure the nesting took minutes over, the whole server stalled
+BIG_INTEGER, DEEP_NESTING, ESCAPED_QUOTES = "\x00big-integer\x00", "\x00deep-nesting\x00", "\x00escaped-quotes\x00"
 SPECIAL_TEXT = ["\ud800", "ok\udfff", "\udc00\ud800", "\u202eevil\u202c", "zero\u200bwidth\u200d\ufeff",
                 "\U0001F600\U0001F389", "\u4f60\u597d\u3002", "\x00nul\x00", "a" * 100_000, "\u0301",
                 " ", "", "Hello there.", "\u0645\u0631\u062d\u0628\u0627", "**bold** `code`", "\n\t", "\uffff",
-                BIG_INTEGER, DEEP_NESTING]
+                BIG_INTEGER, DEEP_NESTING, ESCAPED_QUOTES]
 surrogates = st.characters(categories=["Cs"])
 texts = st.one_of(st.text(max_size=40), st.sampled_from(SPECIAL_TEXT),
                   st.builds(lambda a, b: a + b, st.text(max_size=8), surrogates),
@@ -173,7 +175,8 @@ def messages(draw) -> str:
 def _wire(value: object) -> str:
     text = json.dumps(value)  # NaN and Infinity go out as written, as a careless client sends them
     return (text.replace(json.dumps(BIG_INTEGER), "9" * 5000)
-            .replace(json.dumps(DEEP_NESTING), "[" * 5000 + "]" * 5000))
+            .replace(json.dumps(DEEP_NESTING), "[" * 5000 + "]" * 5000)
+            .replace(json.dumps(ESCAPED_QUOTES), '"' + '\\"' * 100_000))
 
 
 # --- the socket --------------------------------------------------------------------------------------------------
@@ -275,6 +278,7 @@ def speech_bodies(draw) -> bytes:
     if draw(st.integers(0, 9)) == 0:  # not a JSON object at all
         return draw(st.sampled_from([b"", b"{", b"\xff\xfe", b"null", b"[" * 3000, b"{\"input\": NaN}",
                                      b"{\"input\": \"a\", \"seed\": " + b"9" * 5000 + b"}",
+                                     b"{\"input\": \"" + b'\\"' * 100_000,
                                      b"{\"input\": \"" + b"a" * (MAX_MESSAGE_BYTES + 10) + b"\"}"]) | st.binary())
     body = {}
     for name, valid in HTTP_VALID.items():

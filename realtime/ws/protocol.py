@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from dataclasses import dataclass, field, replace
 from functools import partial
-from itertools import accumulate
 from typing import Any, Protocol
 
 from realtime.audio.formats import DEFAULT_RATES, MODEL_SAMPLE_RATE, AudioFormat, UnsupportedFormat
@@ -121,8 +119,9 @@ FIELD_LIMITS: dict[str, int | tuple[float, float]] = {
 
 
 def load_json(raw: str | bytes, code: str = "invalid_message") -> Any:
-    """Parse a client's JSON with bounded cost: nesting is measured before parsing, and integers longer than any
-    field takes are refused while parsing (Python's int() is quadratic in the digits). Every string must be valid
+    """Parse a client's JSON with bounded cost: parsing is linear (the C decoder; nesting past the interpreter's
+    recursion limit raises at once), the nesting is measured on what it parsed, and integers longer than any field
+    takes are refused while parsing (Python's int() is quadratic in the digits). Every string must be valid
     Unicode: JSON can carry a lone UTF-16 surrogate (\\ud800), which no encoder, tokenizer or log can take.
     Raises ProtocolError: `invalid_json`, or `code` for a value out of bounds."""
     value = _decode_json(raw, code)
@@ -137,25 +136,28 @@ def _decode_json(raw: str | bytes, code: str) -> Any:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolError("invalid_json", "the body is not UTF-8 text") from None
-    depth = _nesting_depth(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise ProtocolError(code, f"JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
     try:
-        return json.loads(raw, parse_int=partial(_bounded_int, code), parse_constant=_no_constant)
+        value = json.loads(raw, parse_int=partial(_bounded_int, code), parse_constant=_no_constant)
     except json.JSONDecodeError as failure:
         raise ProtocolError("invalid_json", f"the message is not valid JSON: {failure}") from None
     except RecursionError:
         raise ProtocolError(code, f"JSON nested too deep; at most {MAX_JSON_DEPTH} levels are accepted") from None
+    depth = _nesting_depth(value)
+    if depth > MAX_JSON_DEPTH:
+        raise ProtocolError(code, f"JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
+    return value
 
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-
-
-def _nesting_depth(text: str) -> int:
-    """The deepest nesting of arrays and objects (brackets inside strings do not count)."""
-    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
-    return max(accumulate(1 if bracket in "[{" else -1 for bracket in brackets), default=0)
+def _nesting_depth(value: Any) -> int:
+    """The deepest nesting of arrays and objects in a parsed value, in one pass over it without recursion. (Measured
+    on the text, with a regex skipping strings, it took quadratic time: 19 s for 80 KB of escaped quotes.)"""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _bounded_int(code: str, digits: str) -> int:
