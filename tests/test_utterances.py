@@ -93,7 +93,8 @@ def tts(tiny_checkpoints) -> TTSModel:
     return TTSModel.load(tiny_checkpoints["custom_voice"])
 
 
-def context_run(tts: TTSModel, script: list[tuple[str, str]], seed: int = 5, buffering: str = "auto"):
+def context_run(tts: TTSModel, script: list[tuple[str, str]], seed: int = 5, buffering: str = "auto",
+                clean_text: bool = False):
     """Drive a context with (action, argument) steps, a few ms apart; returns its events."""
     async def main():
         runner = AsyncEngine(Engine(tts, EngineConfig(max_batch=2, capacity=256)))
@@ -101,7 +102,7 @@ def context_run(tts: TTSModel, script: list[tuple[str, str]], seed: int = 5, buf
         try:
             template = SynthesisRequest("", tts.voice(VoiceRequest(speaker="ryan")), language="english",
                                         sampling=SamplingParams.from_defaults(tts.config.generation, seed=seed),
-                                        max_frames=30)
+                                        max_frames=30, clean_text=clean_text)
             context = SpeechContext(runner, template, UtterancePlanner(buffering=buffering))
             for action, argument in script:
                 getattr(context, action)(*([argument] if argument is not None else []))
@@ -165,3 +166,18 @@ def test_a_context_without_speakable_text_ends_with_an_error(tts):
     end = events[-1]
     assert isinstance(end, ContextEnd) and end.reason == "error" and end.samples == 0
     assert isinstance(end.error, EmptyText)
+
+
+@pytest.mark.parametrize("empty", [" \U0001F389", " **", "   "])
+def test_an_utterance_with_nothing_to_say_is_skipped_and_the_context_goes_on(tts, empty):
+    """LLM output cleaned (an emoji, a markdown mark alone) can leave an utterance nothing to say: it is skipped with
+    its flush reported, and the sentences after it are spoken; empty_text is only for a context with no audio."""
+    script = [("append", "Great job."), ("flush", None), ("append", empty), ("flush", None),
+              ("append", " Now the next step."), ("flush", None), ("end", None)]
+    events = context_run(tts, script, clean_text=True)
+    flushes = [e for e in events if isinstance(e, ContextMarker)]
+    assert [f.name for f in flushes] == ["1", "2", "3"]
+    end = events[-1]
+    assert isinstance(end, ContextEnd) and end.reason == "done" and end.error is None
+    # the third utterance spoke: audio after the second flush
+    assert any(isinstance(e, ContextAudio) for e in events[events.index(flushes[1]):])

@@ -166,9 +166,12 @@ class SpeechContext:
         index = 0
         while (utterance := await self._next_started(index)) is not None:
             if utterance.text.strip():
-                error = await self._speak(utterance)
-                if error is not None:
-                    return error
+                try:
+                    error = await self._speak(utterance)
+                except EmptyText:  # refused at submit: it cleans to nothing (an emoji, markdown alone)
+                    error = None
+                if error is not None and not isinstance(error, EmptyText):
+                    return error  # an utterance with nothing to say is skipped: the context goes on
             index += 1
         self._emit_markers(index - 1)
         return None if self.samples else EmptyText("text is empty")
