@@ -257,3 +257,20 @@ def test_seeded_audio_is_bit_equal_alone_and_batched(tts, joined_at):
                   if joined_at else {0: [probe, *others]})
     probe_index = 0 if not joined_at else len(others)
     assert len(alone) and np.array_equal(batched[probe_index][0], alone)
+
+
+def test_a_waiting_request_without_a_free_slot_is_no_work(tts):
+    """The step loop steps while there is work: a request waiting for a slot that a held request keeps (its text
+    has not come) is not work, or the loop spun at 100% of a core stepping nothing until the slot freed."""
+    engine = Engine(tts, EngineConfig(max_batch=1, capacity=128))
+    base = requests(tts, True, frames=[None])[0]
+    held = engine.submit(SynthesisRequest("Hello there, ", base.voice, sampling=base.sampling, text_complete=False))
+    for _ in range(100):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work() and held in engine.running  # held: its next text has not come
+    engine.submit(SynthesisRequest("Waiting.", base.voice, sampling=base.sampling))
+    assert not engine.has_work()
+    engine.cancel(held)
+    assert engine.has_work()  # the slot is free: the waiting request is admitted by the next step

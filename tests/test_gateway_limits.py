@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 
 import pytest
 from websockets.asyncio.client import connect
@@ -43,6 +44,24 @@ def test_idle_sessions_are_closed_with_4008_but_keepalive_holds_them(server):
             events, code = await closing_events(ws)
             assert code == 4008 and events[-1]["code"] == "idle_timeout" and events[-1]["fatal"] is True
     asyncio.run(go())
+
+
+def test_a_context_held_open_without_text_does_not_keep_an_idle_session(server):
+    """PROTOCOL.md: the idle timer runs while no context is generating or sending. A client that opens a context
+    and goes quiet (no end) leaves it held, waiting for text: that is idle, and its engine slot is freed by the
+    close, where it was kept for good."""
+    async def go():
+        async with connect(server.ws) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+            await ws.send(json.dumps({"type": "session.start", "text": {"buffering": "none"}}))
+            await ws.send(json.dumps({"type": "text.append", "context_id": "held", "text": "Hello there"}))
+            started = time.monotonic()
+            events, code = await closing_events(ws)
+            return events, code, time.monotonic() - started
+
+    events, code, waited = asyncio.run(go())
+    assert code == 4008 and events[-1]["code"] == "idle_timeout", events[-3:]
+    assert waited < 15
 
 
 def test_messages_past_the_rate_are_dropped_with_rate_limited(server):

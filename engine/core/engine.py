@@ -122,9 +122,11 @@ class Engine:
 
     def has_work(self) -> bool:
         """A step would do something now: requests whose text has not arrived wait for `append_text`, once the
-        frames they made before holding are on their way to the decoder."""
+        frames they made before holding are on their way to the decoder; a waiting request counts only while a slot
+        is free for it (else its loop spun, stepping nothing, until a slot freed)."""
         scheduler = self.scheduler
-        return (any(s.ready() for s in scheduler.waiting) or bool(self.decoding.in_flight or scheduler.finished)
+        admissible = bool(scheduler.free_slots) and any(s.ready() for s in scheduler.waiting)
+        return (admissible or bool(self.decoding.in_flight or scheduler.finished)
                 or bool(self.decoding.finishing)
                 or any(s.runnable() or s.pending for s in scheduler.running.values()))
 

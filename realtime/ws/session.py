@@ -111,6 +111,7 @@ class Session:
                 else:
                     await self.ws.send_text(item.payload)
                 if item.audio_ms:
+                    self._last_activity = time.monotonic()
                     self.gateway.metrics.socket.audio_seconds.inc(item.audio_ms / 1000)
                 if item.on_sent is not None:
                     item.on_sent()
@@ -138,11 +139,13 @@ class Session:
         asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._sender_task.cancel)
 
     async def _idle_watchdog(self) -> None:
-        """The idle timer runs only while no context is generating or sending."""
+        """The idle timer runs only while no context is generating or sending (PROTOCOL.md): a context held open
+        with no text coming is neither, so a client that opens contexts and goes quiet does not keep its session
+        (and its engine slots) for good. Audio as it goes out counts as sending."""
         while True:
             await asyncio.sleep(min(1.0, self.limits.idle_timeout_s / 4))
-            if self.contexts or len(self.outbox):
-                self._last_activity = time.monotonic()
+            if len(self.outbox) or any(context.speech.generating for context in self.contexts):
+                self._last_activity = time.monotonic()  # sending, or generating with all its text in
             elif time.monotonic() - self._last_activity > self.limits.idle_timeout_s:
                 self.abort(ProtocolError("idle_timeout", f"no message for {self.limits.idle_timeout_s:g} s",
                                          fatal=True), CLOSE_IDLE)

@@ -78,6 +78,7 @@ class SpeechContext:
         self._flushes = 0
         self._wake = asyncio.Event()
         self._request: RequestHandle | None = None  # the speaking utterance's engine request
+        self._speaking: Utterance | None = None  # the utterance that request speaks, while it does
         self._timers: dict[int, asyncio.TimerHandle] = {}  # utterance index -> its buffering deadline
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -191,6 +192,14 @@ class SpeechContext:
             self._wake.clear()
             await self._wake.wait()
 
+    @property
+    def generating(self) -> bool:
+        """The engine is making this context's audio with all the text it needs: an utterance whose text is complete
+        is being spoken. (One still open may be held, waiting for text: that is the client's silence, and the idle
+        timer runs through it.)"""
+        speaking = self._speaking
+        return speaking is not None and speaking.closed
+
     async def _speak(self, utterance: Utterance) -> VoxgateError | None:
         """Speak one utterance; the error its request ended with, if any."""
         sampling = self.template.sampling
@@ -203,6 +212,7 @@ class SpeechContext:
         sent = len(utterance.text)
         self._request = request = self.engine.submit(
             replace(self.template, text=utterance.text, sampling=sampling, text_complete=whole))
+        self._speaking = utterance
         self._events.put_nowait(ContextText(utterance.index, utterance.text, final=whole))
         feeder = None if whole else asyncio.get_running_loop().create_task(
             self._feed(utterance, request.request_id, sent))
@@ -215,6 +225,7 @@ class SpeechContext:
                 elif isinstance(event, Finished) and event.reason == "error":
                     return event.error or SynthesisFailed("synthesis failed")
         finally:
+            self._speaking = None
             if feeder is not None:
                 feeder.cancel()
         return None
