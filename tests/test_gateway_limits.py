@@ -13,6 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from realtime.gateway import Limits
+from realtime.ws.backpressure import MAX_QUEUED_ITEMS
 from tests.gateway_server import events_until_closed, running_server
 
 
@@ -62,6 +63,23 @@ def test_a_context_held_open_without_text_does_not_keep_an_idle_session(server):
     events, code, waited = asyncio.run(go())
     assert code == 4008 and events[-1]["code"] == "idle_timeout", events[-3:]
     assert waited < 15
+
+
+def test_a_client_that_floods_and_never_reads_is_closed_not_buffered_for(server):
+    """Each message past the rate gets its `rate_limited` error; a client that sends 60,000 and reads none made the
+    server hold every error (500 MB for 2M messages). Past MAX_QUEUED_ITEMS waiting to be sent, the session ends
+    as a slow consumer (1008) and the server still serves."""
+    async def go():
+        async with connect(server.ws, max_queue=None) as ws:
+            for _ in range(60_000):
+                await ws.send("x")
+            events, code = await closing_events(ws)
+            return events, code
+
+    events, code = asyncio.run(go())
+    assert code == 1008 and events[-1]["code"] == "slow_consumer" and events[-1]["fatal"] is True
+    assert str(MAX_QUEUED_ITEMS) in events[-1]["message"]  # (what the client got past that sat in socket buffers)
+    assert server.get("/health")[0] == 200
 
 
 def test_messages_past_the_rate_are_dropped_with_rate_limited(server):

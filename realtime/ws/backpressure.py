@@ -9,6 +9,10 @@ from realtime.ws.outbox import Outbox, Outgoing
 from realtime.ws.protocol import ProtocolError, event
 
 HARD_LIMIT_FACTOR = 4  # unsent audio past this many send queues ends the session
+# Items (events and frames) waiting to be sent past which the client is not reading: a client that floods messages
+# and reads nothing made an error or pong per message, held without bound (500 MB for 2M messages). Audio alone stays
+# far below it: the hard limit holds 20 s of 10 ms frames per context.
+MAX_QUEUED_ITEMS = 10_000
 
 
 class SlowConsumerPolicy:
@@ -29,6 +33,12 @@ class SlowConsumerPolicy:
         if waiting_ms > self.hard_limit_ms:
             self._warn()
             self.abort(ProtocolError("slow_consumer", "the client does not read its audio; closing", fatal=True))
+
+    def check_outbox(self, items: int) -> None:
+        """After each client message: an outbox past MAX_QUEUED_ITEMS means the client sends and does not read."""
+        if items > MAX_QUEUED_ITEMS:
+            self.abort(ProtocolError("slow_consumer", f"more than {MAX_QUEUED_ITEMS} messages wait to be sent: the "
+                                                      "client does not read them; closing", fatal=True))
 
     def warning_first(self) -> None:
         """A fatal error is about to go out ahead of queued audio: a warning still queued goes before it, as it

@@ -200,11 +200,11 @@ class Session:
         message's event_id."""
         event_id = None
         try:
-            message = validated()
-            event_id = message.get("event_id")
-            if rate_limited and not self._limiter.allow():
+            if rate_limited and not self._limiter.allow():  # before parsing: a flood costs no parse, valid or not
                 raise ProtocolError("rate_limited", f"more than {self.limits.max_message_rate:g} messages per "
                                                     "second; this message was dropped")
+            message = validated()
+            event_id = message.get("event_id")
             if self.closing:
                 raise ProtocolError("invalid_message", "the session is closing; no new messages are accepted")
             HANDLERS[message["type"]](self, message)
@@ -214,6 +214,8 @@ class Session:
         except Exception:  # a bug must not take the session down, let alone the server
             log.exception("session %s: internal error", self.id)
             self._error(ProtocolError("internal", "internal server error"), event_id=event_id)
+        finally:
+            self.slow.check_outbox(len(self.outbox))
         return False
 
     def _on_session_start(self, message: dict[str, Any]) -> None:
