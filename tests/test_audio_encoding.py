@@ -2,7 +2,9 @@
 whole (no lost tail), at the announced rate, in frames of the announced size."""
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 import struct
 
 import av
@@ -25,6 +27,8 @@ from realtime.audio.formats import (
     to_int16,
 )
 from realtime.audio.mulaw import mulaw_decode, mulaw_encode
+from realtime.ws.framing import AudioFramer
+from realtime.ws.protocol import FLAG_DISCONTINUITY
 from scripts.bench_opus import quality, speech_like
 
 LENGTH = int(1.234 * MODEL_SAMPLE_RATE)  # not a whole number of frames at any rate
@@ -393,3 +397,25 @@ def test_the_bytes_do_not_depend_on_how_the_audio_was_cut(response_format: str) 
 def test_every_openai_format_is_offered() -> None:
     assert HTTP_FORMATS == ("wav", "pcm", "opus", "flac", "mp3", "aac")
     assert all(format_available(name) for name in HTTP_FORMATS) and not format_available("ogg")
+
+
+@pytest.mark.parametrize("transport", ["binary", "json"])
+def test_a_fresh_encoder_after_a_flush_is_flagged_in_either_transport(transport):
+    """After a flush drained the Opus encoder, the next frame starts a new stream: a client resets its decoder and
+    drops pre_skip again. The binary header flags it DISCONTINUITY; a JSON audio event says `discontinuity`."""
+    async def frames_around_a_flush():
+        framer = AudioFramer("c", 7, AudioFormat(), transport)
+        speech = speech_like(0.2, MODEL_SAMPLE_RATE)
+        before = framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
+        before += framer.outgoing(await framer.finish(), last=False, on_first_sent=lambda: None)
+        framer.restart()
+        return before, framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
+
+    before, after = asyncio.run(frames_around_a_flush())
+
+    def discontinuity(item) -> bool:
+        if transport == "binary":
+            return bool(item.payload[1] & FLAG_DISCONTINUITY)
+        return json.loads(item.payload).get("discontinuity") is True
+
+    assert not any(map(discontinuity, before)) and discontinuity(after[0]) and not any(map(discontinuity, after[1:]))

@@ -386,6 +386,11 @@ def test_context_limit_text_limit_and_empty_text(server):
         await conn.send(type="context.cancel", context_id="*")
         cancelled = await conn.until(lambda e: e["type"] == "context.cancelled" and e["context_id"] == "2")
         assert {e["context_id"] for e in cancelled if e["type"] == "context.cancelled"} == {"1", "2"}
+        # a first append past the limit is refused before its context opens: none is created (PROTOCOL.md)
+        await conn.send(type="text.append", context_id="big", text="x" * 500)
+        seen = await conn.until(lambda e: e["type"] == "error" and e.get("context_id") == "big")
+        assert seen[-1]["code"] == "text_too_long"
+        assert not any(e["type"] == "context.started" and e.get("context_id") == "big" for e in seen)
         await conn.send(type="text.append", context_id="e", text="   ")
         events = await speak(conn, "e", [])
         errors = [e for e in events if e["type"] == "error"]
@@ -511,3 +516,24 @@ def test_http_speech_voices_health_ready_metrics(server):
                  "voxgate_ttfa_seconds_bucket", "voxgate_audio_seconds_total", "voxgate_errors_total",
                  "voxgate_engine_step_seconds_bucket", "voxgate_engine_queue_depth"):
         assert name in metrics.decode()
+
+
+def test_stream_ids_wrap_around_the_contexts_still_open(server, monkeypatch):
+    """stream_id is a u16 that wraps after 65,536 contexts (4 here): a context open across the wrap keeps its id to
+    itself, or its frames would be taken for the new context's."""
+    monkeypatch.setattr("realtime.ws.registry.STREAM_IDS", 4)
+
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="keep", text="Waiting")
+        ids = [(await conn.until(lambda e: e["type"] == "context.started"))[-1]["stream_id"]]
+        for i in range(5):
+            await conn.send(type="text.append", context_id=f"c{i}", text="Waiting")
+            ids.append((await conn.until(lambda e: e["type"] == "context.started"))[-1]["stream_id"])
+            await conn.send(type="context.cancel", context_id=f"c{i}")
+            await conn.until(lambda e: e["type"] == "context.cancelled")
+        await conn.ws.close()
+        return ids
+
+    keep, *others = run(go())
+    assert keep not in others and set(others) == {0, 1, 2, 3} - {keep}, (keep, others)

@@ -78,6 +78,7 @@ class AudioFramer:
                         pts_ms=round(pts / self.format.sample_rate * 1000, 3),
                         duration_ms=round(frame.samples / self.format.sample_rate * 1000, 3),
                         data=base64.b64encode(frame.payload).decode("ascii"),
-                        first=True if flags & FLAG_FIRST else None, last=True if flags & FLAG_LAST else None)
+                        first=True if flags & FLAG_FIRST else None, last=True if flags & FLAG_LAST else None,
+                        discontinuity=True if flags & FLAG_DISCONTINUITY else None)
         self._seq += 1
         return json.dumps(message)

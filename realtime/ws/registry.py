@@ -75,7 +75,7 @@ class ContextRegistry:
             raise ProtocolError(failure.code, str(failure), context_id=context_id) from None
         lexicon = self.settings.context_lexicon(message)
         speech = self.gateway.speech_context(template, config.buffering, config.max_buffer_delay_ms, lexicon)
-        stream_id, self._next_stream_id = self._next_stream_id, (self._next_stream_id + 1) % STREAM_IDS
+        stream_id = self._new_stream_id()
         framer = AudioFramer(context_id, stream_id, config.audio, config.transport)
         context = SessionContext(context_id, speech, framer, self.outbox, self.gateway.metrics, self.slow,
                                  self._finished, timestamps=config.timestamps == "word")
@@ -84,6 +84,15 @@ class ContextRegistry:
         self.outbox.put_event(event("context.started", context_id=context_id, stream_id=stream_id, voice=voice_id,
                                     event_id=message.get("event_id")))
         return context
+
+    def _new_stream_id(self) -> int:
+        """The next stream id no open context holds: ids wrap after STREAM_IDS contexts, and one context may stay
+        open across the wrap (its frames would be read as the new one's)."""
+        in_use = {context.framer.stream_id for context in self.open.values()}
+        while self._next_stream_id in in_use:
+            self._next_stream_id = (self._next_stream_id + 1) % STREAM_IDS
+        stream_id, self._next_stream_id = self._next_stream_id, (self._next_stream_id + 1) % STREAM_IDS
+        return stream_id
 
     def cancel(self, context_id: str, reason: str, message: dict[str, Any] | None = None) -> None:
         """Cancel an open context, or ack an unknown or finished one all the same (idempotent: the id is closed

@@ -226,16 +226,21 @@ class Session:
     def _on_text_append(self, message: dict[str, Any]) -> None:
         context_id, text = message["context_id"], message["text"]
         self.settings.text_started = True
+        if len(text) > self.limits.max_text_chars:  # before the context opens: a refused first append creates none
+            self._too_long(context_id)
         context = self.contexts.find_or_open(context_id, message)
         if context.ended:
             raise ProtocolError("context_closed", f"context {context_id!r} has ended; use a new context_id",
                                 context_id=context_id)
         if context.text_chars + len(text) > self.limits.max_text_chars:
-            raise ProtocolError("text_too_long", f"a context takes at most {self.limits.max_text_chars} characters "
-                                                 "of text; this append was dropped", context_id=context_id)
+            self._too_long(context_id)
         context.append(text)
         if message.get("flush"):
             context.flush()
+
+    def _too_long(self, context_id: str) -> None:
+        raise ProtocolError("text_too_long", f"a context takes at most {self.limits.max_text_chars} characters of "
+                                             "text; this append was dropped", context_id=context_id)
 
     def _on_context_flush(self, message: dict[str, Any]) -> None:
         self.contexts.find(message["context_id"]).flush()
