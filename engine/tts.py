@@ -13,7 +13,7 @@ import torch
 
 from engine.checkpoint import UNUSED_DECODER_TENSORS, load_module, read_tensors
 from engine.config import ModelConfig, SpeechTokenizerConfig, load_model_config, load_speech_tokenizer_config
-from engine.errors import CheckpointError, EmptyText, RequestError
+from engine.errors import CheckpointError, EmptyText, RequestError, TextTooLong
 from engine.model.codec_decoder import CodecDecoder
 from engine.model.talker import Talker
 from engine.prompt import TEXT_LAYOUTS, Prompt, PromptBuilder, Voice
@@ -168,8 +168,12 @@ class TTSModel:
         if ref_codes.dim() != 2 or ref_codes.shape[1] != groups or not (ref_text or "").strip():
             raise RequestError(f"reference codes must be [frames, {groups}] with their transcript")
         check_text("ref_text", ref_text)
+        ref_text_ids = self.tokenizer.reference_text(ref_text)
+        if len(ref_text_ids) > ref_codes.shape[0] + 1:  # the prompt lays the transcript over the audio's frames
+            raise TextTooLong(f"the transcript takes {len(ref_text_ids)} tokens, more than its audio's "
+                              f"{ref_codes.shape[0]} frames (80 ms each) carry: give the words the audio speaks")
         return Voice(xvector=xvector.to(self.device, self.dtype), ref_codes=ref_codes.long().to(self.device),
-                     ref_text_ids=self.tokenizer.reference_text(ref_text))
+                     ref_text_ids=ref_text_ids)
 
     @property
     def speaker_encoder(self):

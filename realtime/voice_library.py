@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
@@ -196,6 +197,9 @@ class VoiceLibrary:
                 audio, rate = reference_audio(upload.audio)
                 voice = self.tts.voice(VoiceRequest(ref_audio=(audio, rate), ref_text=upload.transcript,
                                                     x_vector_only=upload.transcript is None))
+                if not torch.isfinite(voice.xvector).all():  # samples far out of range (a float WAV of 1e30)
+                    raise voice_failure("invalid_audio", "the audio gives no usable voice: its speaker embedding is "
+                                                         "not finite (are its samples within -1..1?)")
                 ref_codes = voice.ref_codes.cpu() if voice.ref_codes is not None else None
                 stored = StoredVoice(upload.name, "clone", time.time(), transcript=upload.transcript,
                                      audio_seconds=round(audio.size / rate, 3), xvector=voice.xvector.cpu(),

@@ -4,6 +4,7 @@ while the server runs, stored on disk). Resolves a client's voice id into the en
 names (for the speech endpoint) onto them, and checks languages against the model."""
 from __future__ import annotations
 
+import logging
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from engine.prompt import Voice
 from engine.tts import TTSModel, VoiceRequest
 from realtime.voice_store import StoredVoice
 from realtime.ws.protocol import ProtocolError
+
+log = logging.getLogger("voxgate")
 
 DESIGN_VOICE = "design"
 VOICE_CACHE_BYTES = 4 * 1024 * 1024  # voices with instructions (free text) kept for reuse, least recently used out
@@ -81,7 +84,10 @@ class VoiceCatalog:
                     ref_audio=clone.audio, ref_text=clone.transcript, x_vector_only=clone.transcript is None))
                 self.builtin_ids.append(clone.name)
         for voice in stored:
-            self.add_stored(voice, engine_voice(tts, voice))
+            try:
+                self.add_stored(voice, engine_voice(tts, voice))
+            except RequestError as failure:  # kept by a version that took it; it could never speak: left out
+                log.warning("the stored voice %r is left out: %s", voice.name, failure)
         self.openai_voices = self._map_openai_voices(dict(openai_voices))
 
     def _map_openai_voices(self, chosen: dict[str, str]) -> dict[str, str | None]:

@@ -8,6 +8,7 @@ import concurrent.futures
 import io
 import json
 import socket
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -376,3 +377,34 @@ def test_an_unwritable_data_dir_is_refused_at_once(tmp_path):
     blocker.write_text("")
     with pytest.raises(VoxgateError, match="--data-dir"):
         check_data_dir(blocker / "voxgate")
+
+
+def test_a_voice_that_could_never_speak_is_refused_at_upload(hostile_server, one_thread):
+    """Stored voices must work: a transcript with more tokens than its audio has frames (every use failed with
+    invalid_message) and audio whose speaker embedding is not finite (a float WAV sample of 1e30) are refused."""
+    long_transcript = upload(hostile_server, "wordy", wav(1.0), transcript=" ".join(["word"] * 390))
+    assert long_transcript.status_code == 400 and error_code(long_transcript) == "text_too_long"
+    assert "frames" in long_transcript.json()["error"]["message"]
+    tone = np.frombuffer(sf.read(io.BytesIO(wav()), dtype="float32")[0].tobytes(), np.float32).copy()
+    tone[100] = 1e30
+    out = io.BytesIO()
+    sf.write(out, tone, RATE, format="WAV", subtype="FLOAT")
+    huge = upload(hostile_server, "huge", out.getvalue(), transcript=TRANSCRIPT)
+    assert huge.status_code == 400 and error_code(huge) == "invalid_audio", huge.json()
+    listed = [voice["id"] for voice in json.loads(hostile_server.get("/v1/audio/voices")[1])["voices"]]
+    assert "wordy" not in listed and "huge" not in listed
+
+
+def test_a_stored_voice_that_can_no_longer_load_is_left_out_and_the_server_starts(base_model, tmp_path, one_thread):
+    """A voice an earlier version stored although it could never speak (its transcript longer than its audio's
+    frames) must not stop the server at start-up: it is left out, the other voices serve."""
+    data_dir = tmp_path / "data"
+    with running_server(model=base_model, data_dir=data_dir) as server:
+        assert upload(server, "good", wav(), transcript=TRANSCRIPT).status_code == 201
+    store = VoiceStore.in_data_dir(data_dir, checkpoint_fingerprint(base_model))
+    good = next(voice for voice in store.voices() if voice.name == "good")
+    store.add(replace(good, name="wordy", transcript=" ".join(["word"] * 390), ref_codes=good.ref_codes[:2]))
+    with running_server(model=base_model, data_dir=data_dir) as server:
+        catalog = json.loads(server.get("/v1/voices")[1])
+        assert [v["id"] for v in catalog["voices"]] == ["good"]
+        assert speech(server, "good")[0] == 200
