@@ -91,15 +91,15 @@ class VoiceCatalog:
         self.openai_voices = self._map_openai_voices(dict(openai_voices))
 
     def _map_openai_voices(self, chosen: dict[str, str]) -> dict[str, str | None]:
-        """Each OpenAI voice name -> a voice id of this model: `chosen`, else OPENAI_VOICES' like speaker, else the
-        default (None for a Base model with no voice yet); a chosen voice the model lacks stops the server at
-        start-up."""
+        """Each OpenAI voice name -> a voice id of this model: `chosen`, else OPENAI_VOICES' like speaker, else None:
+        the default as it is when a request comes (a Base model's voices come and go); a chosen voice the model
+        lacks stops the server at start-up."""
         mapped = {}
         for name, speaker in OPENAI_VOICES.items():
             voice = chosen.get(name)
             if voice is not None and not self.has(voice):
                 raise ValueError(f"--openai-voice {name}={voice}: {self._unknown(voice)}")
-            mapped[name] = self._key(voice) if voice is not None else speaker if speaker in self.ids else self.default
+            mapped[name] = self._key(voice) if voice is not None else speaker if speaker in self.ids else None
         return mapped
 
     def openai_voice(self, voice_id: str | None) -> str | None:
@@ -156,7 +156,8 @@ class VoiceCatalog:
         voices += [{"id": name, "variant": self.variant, "languages": self.tts.config.languages,
                     "instructions": False, "stored": True, "kind": stored.kind}
                    for name, (stored, _) in self._stored.items()]
-        return {"voices": voices, "default": self.default, "openai_voices": self.openai_voices}
+        return {"voices": voices, "default": self.default,
+                "openai_voices": {name: voice or self.default for name, voice in self.openai_voices.items()}}
 
     def check_voice(self, voice_id: str) -> None:
         """A session's default voice must exist (PROTOCOL.md: a bad session.start field is `invalid_config`)."""

@@ -99,7 +99,7 @@ def test_every_openai_voice_maps_onto_a_voice_the_model_has(server, tiny_checkpo
     catalog = VoiceCatalog(tts)
     assert catalog.openai_voices == OPENAI_VOICES  # the tiny model has the official speakers
     design = VoiceCatalog(TTSModel.load(tiny_checkpoints["voice_design"]))
-    assert set(design.openai_voices.values()) == {"design"}  # no speakers: the model's one voice
+    assert set(design.describe()["openai_voices"].values()) == {"design"}  # no speakers: the model's one voice
     with pytest.raises(ValueError, match="unknown voice 'nobody'"):
         VoiceCatalog(tts, openai_voices=(("echo", "nobody"),))
 

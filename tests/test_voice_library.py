@@ -408,3 +408,16 @@ def test_a_stored_voice_that_can_no_longer_load_is_left_out_and_the_server_start
         catalog = json.loads(server.get("/v1/voices")[1])
         assert [v["id"] for v in catalog["voices"]] == ["good"]
         assert speech(server, "good")[0] == 200
+
+
+def test_openai_voice_names_follow_the_default_as_voices_come_and_go(base_model, tmp_path, one_thread):
+    """A Base model has no speakers: OpenAI's names speak with its default voice, the one it has when the request
+    comes, not the one it had at start-up (deleted since, it made every `alloy` request unknown_voice)."""
+    with running_server(model=base_model, data_dir=tmp_path / "data") as server:
+        for name in ("first", "second"):
+            assert upload(server, name, wav(), transcript=TRANSCRIPT).status_code == 201
+    with running_server(model=base_model, data_dir=tmp_path / "data") as server:  # starts with a default
+        assert speech(server, "alloy") == speech(server, "first")  # the default: the oldest stored voice
+        assert httpx.delete(server.http + "/v1/audio/voices/first").status_code == 200
+        assert speech(server, "alloy") == speech(server, "second") and speech(server, "alloy")[0] == 200
+        assert json.loads(server.get("/v1/voices")[1])["openai_voices"]["alloy"] == "second"
