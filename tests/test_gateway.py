@@ -22,6 +22,7 @@ from realtime.gateway import Limits
 from tests.gateway_server import running_server
 
 TEXT_PIECES = ["Hel", "lo the", "re, how ", "are you", " today?"]
+LONG_TEXT = " ".join(f"Sentence {i} goes on for a while, so that speaking it takes time." for i in range(5))
 
 
 @pytest.fixture(scope="module")
@@ -468,6 +469,29 @@ def test_ping_keepalive_and_graceful_close(server):
             await conn.next(timeout=10)
         assert closed.value.rcvd.code == 1000
     run(go())
+
+
+def test_a_graceful_close_can_still_be_cut_short(server):
+    """During a graceful close the client may still stop what is finishing: a context.cancel (barge-in) is acked and
+    an abort ends the rest; new text is refused, naming its context."""
+    async def go():
+        conn = await session(server)
+        for context_id in ("a", "b"):
+            await conn.send(type="text.append", context_id=context_id, text=LONG_TEXT)
+        await conn.send(type="session.close", mode="graceful")
+        await conn.send(type="context.cancel", context_id="a")
+        await conn.send(type="text.append", context_id="late", text="Too late.")
+        await conn.send(type="session.close", mode="abort")
+        events = await conn.until(lambda e: e["type"] == "session.closed")
+        with pytest.raises(ConnectionClosed) as closed:
+            await conn.next(timeout=10)
+        return events, closed.value.rcvd.code
+
+    events, code = run(go())
+    ends = {e["context_id"]: e["type"] for e in events if e["type"] in ("context.cancelled", "context.done")}
+    assert ends.get("a") == "context.cancelled" and "b" in ends and code == 1000, events  # b: or done before it
+    late = [e for e in events if e["type"] == "error"]
+    assert [(e["code"], e.get("context_id")) for e in late] == [("invalid_message", "late")]
 
 
 def test_same_seed_same_audio_however_the_text_was_split(server):

@@ -205,8 +205,9 @@ class Session:
                                                     "second; this message was dropped")
             message = validated()
             event_id = message.get("event_id")
-            if self.closing:
-                raise ProtocolError("invalid_message", "the session is closing; no new messages are accepted")
+            if self.closing and message["type"] not in WHILE_CLOSING:
+                raise ProtocolError("invalid_message", "the session is closing; no new messages are accepted",
+                                    context_id=message.get("context_id"))
             HANDLERS[message["type"]](self, message)
             return True
         except ProtocolError as failure:
@@ -267,12 +268,14 @@ class Session:
                                     event_id=message.get("event_id")), urgent=True)
 
     def _on_session_close(self, message: dict[str, Any]) -> None:
-        self.closing = True
+        """Graceful: the open contexts finish, then the close; abort (also during a graceful close): they stop."""
         if message.get("mode", "graceful") == "abort":
             self.contexts.cancel_all("client")
-        else:
+        elif not self.closing:
             self.contexts.end_all()
-        asyncio.get_running_loop().create_task(self._close_when_done())
+        if not self.closing:
+            self.closing = True
+            asyncio.get_running_loop().create_task(self._close_when_done())
 
     async def _close_when_done(self) -> None:
         while self.contexts:
@@ -294,6 +297,8 @@ class Session:
 
 
 _CLOSE = "\0close"  # the outbox item after which the sender stops
+# what a session still takes once a graceful close began: stopping what it is finishing (barge-in, abort)
+WHILE_CLOSING = frozenset({"context.cancel", "session.close", "keepalive", "ping"})
 # message type -> its handler (protocol.MESSAGES lists the same types)
 HANDLERS: dict[str, Callable[[Session, dict[str, Any]], None]] = {
     "session.start": Session._on_session_start,
