@@ -20,6 +20,7 @@ class Outgoing:
 class Outbox:
     def __init__(self) -> None:
         self._items: deque[Outgoing] = deque()
+        self._urgent = 0  # the first items are urgent ones, in the order they were put (pongs answer in order)
         self._ready = asyncio.Event()
         self._taken = asyncio.Event()  # set whenever items leave
         self.queued_ms = 0.0  # audio waiting to be sent
@@ -28,8 +29,10 @@ class Outbox:
         return len(self._items)
 
     def put(self, item: Outgoing, urgent: bool = False) -> None:
+        """`urgent`: ahead of everything queued but the urgent items before it."""
         if urgent:
-            self._items.appendleft(item)
+            self._items.insert(self._urgent, item)
+            self._urgent += 1
         else:
             self._items.append(item)
         self.queued_ms += item.audio_ms
@@ -41,6 +44,7 @@ class Outbox:
 
     def drop(self, context_id: str) -> float:
         """Forget a context's unsent items (its audio after a cancel); returns the audio dropped, in ms."""
+        self._urgent = sum(item.context_id != context_id for item in list(self._items)[:self._urgent])
         kept = deque(item for item in self._items if item.context_id != context_id)
         dropped = self.queued_ms - sum(item.audio_ms for item in kept)
         self.queued_ms -= dropped
@@ -54,6 +58,7 @@ class Outbox:
             if queued is item:
                 del self._items[index]
                 self._items.appendleft(item)
+                self._urgent += index >= self._urgent  # it joins the urgent ones, first
                 return True
         return False
 
@@ -62,6 +67,7 @@ class Outbox:
             self._ready.clear()
             await self._ready.wait()
         item = self._items.popleft()
+        self._urgent = max(0, self._urgent - 1)
         self.queued_ms -= item.audio_ms
         self._settle()
         return item

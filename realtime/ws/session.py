@@ -132,8 +132,8 @@ class Session:
         self._aborted = True
         self.gateway.metrics.socket.error(failure.code)
         self._close = (code, failure.message[:120])
-        self.outbox.put(Outgoing("", _CLOSE), urgent=True)
         self.outbox.put_event(error_event(failure), urgent=True)
+        self.outbox.put(Outgoing("", _CLOSE), urgent=True)
         self.slow.warning_first()
         # a peer that reads nothing would keep the error queued forever: close without it after a moment
         asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._sender_task.cancel)
