@@ -210,11 +210,15 @@ async def _body(request: Request, max_bytes: int) -> bytes:
 
 
 def _check_access(request: Request, gateway: Gateway, auth: Auth, needs_model: bool = True) -> None:
-    """Raises HTTPFailure: 401 without a valid key, 503 before the model is ready (when the route needs it)."""
+    """Raises HTTPFailure: 401 without a valid key, 403 for a browser origin `--allowed-origin` does not list (as
+    the socket refuses it: a cross-site form post must not store a lexicon or run a synthesis), 503 before the
+    model is ready (when the route needs it)."""
     try:
-        auth.check(request, origin=False)
+        auth.check(request)
     except KeyRefused:
         raise HTTPFailure(401, "unauthorized", "a valid API key is required") from None
+    except OriginRefused:
+        raise HTTPFailure(403, "unauthorized", "this origin is not allowed (--allowed-origin)") from None
     is_ready, reason = gateway.readiness()
     if needs_model and not is_ready:
         raise HTTPFailure(503, "overloaded", f"not ready: {reason}")

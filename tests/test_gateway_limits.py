@@ -8,6 +8,7 @@ import json
 import socket
 import time
 
+import httpx
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -103,6 +104,18 @@ def test_origin_allow_list(server):
         async with connect(server.ws, origin="https://app.example") as ws:
             assert json.loads(await ws.recv())["type"] == "session.started"
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("origin, status", [("https://evil.example", 403), ("https://app.example", 200), (None, 200)])
+def test_the_http_api_takes_the_origins_the_socket_takes(server, origin, status):
+    """A cross-site form post (text/plain: no preflight) from a page the allow list does not name must not store
+    a lexicon; a listed origin, and a client that is no browser (no Origin), are served."""
+    headers = {"Content-Type": "text/plain", **({"Origin": origin} if origin else {})}
+    body = json.dumps({"name": f"lx{status}{bool(origin)}", "rules": [{"term": "a", "replacement": "b"}]})
+    response = httpx.post(server.http + "/v1/lexicons", content=body, headers=headers)
+    assert response.status_code in ((403,) if status == 403 else (200, 201)), response.text
+    if status == 403:
+        assert response.json()["error"]["code"] == "unauthorized"
 
 
 def test_ready_turns_503_when_the_engine_fails(server):
