@@ -561,3 +561,27 @@ def test_stream_ids_wrap_around_the_contexts_still_open(server, monkeypatch):
 
     keep, *others = run(go())
     assert keep not in others and set(others) == {0, 1, 2, 3} - {keep}, (keep, others)
+
+
+@pytest.mark.parametrize("encoding, rate, frame_ms", [("pcm_s16le", 22050, 10), ("pcm_s16le", 44100, 10),
+                                                     ("mulaw", 8000, 20)])
+def test_only_a_contexts_last_frame_is_shorter_than_frame_ms(server, encoding, rate, frame_ms):
+    """PROTOCOL.md: each frame carries frame_ms of audio, the last may be shorter. A flush or mark drains the
+    encoder in the middle of a context: its remainder goes out as a whole frame (padded with silence, as an Opus
+    packet always is), not as a short one."""
+    async def go():
+        conn = await session(server)
+        await conn.send(type="session.start", audio={"encoding": encoding, "sample_rate": rate, "frame_ms": frame_ms})
+        await conn.until(lambda e: e["type"] == "session.started")
+        await conn.send(type="text.append", context_id="f", text="Hello there.", flush=True)
+        await conn.send(type="mark", context_id="f", name="m")
+        await conn.send(type="text.append", context_id="f", text="And more.")
+        await conn.send(type="context.end", context_id="f")
+        events = await conn.until(done_of("f"))
+        await conn.ws.close()
+        return [e for e in events if e["type"] == "binary"], events
+
+    frames, events = run(go())
+    whole = rate * frame_ms // 1000 * (1 if encoding == "mulaw" else 2)  # bytes of a whole frame
+    assert any(e["type"] == "context.flushed" for e in events) and len(frames) > 3
+    assert all(len(frame["payload"]) == whole for frame in frames[:-1]), [len(f["payload"]) for f in frames]

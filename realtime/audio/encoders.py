@@ -54,16 +54,18 @@ class StreamEncoder:
         self._append(self._resample(np.asarray(samples, dtype=np.float32).reshape(-1), last=False))
         return self._take_frames(final=False)
 
-    def finish(self) -> list[EncodedFrame]:
+    def finish(self, whole_frame: bool = False) -> list[EncodedFrame]:
         """The stream's last frames: the resampler's tail, for Opus the encoder's lookahead pushed out with silence
-        (else the decoder, which drops `pre_skip` samples at the start, would lose the end)."""
+        (else the decoder, which drops `pre_skip` samples at the start, would lose the end). The remainder is padded
+        with silence to a whole frame for Opus always, for PCM and mu-law with `whole_frame` (a flush in the middle
+        of a context: only a context's last frame may be shorter)."""
         if self._finished:
             return []
         self._finished = True
         self._append(self._resample(np.zeros(0, np.float32), last=True))
         if self._opus is not None and (self._samples_out or len(self._pending)):
             self._append(np.zeros(self.pre_skip, np.float32))
-        return self._take_frames(final=True)
+        return self._take_frames(final=True, pad=whole_frame or self._opus is not None)
 
     def _resample(self, samples: np.ndarray, last: bool) -> np.ndarray:
         if self._resampler is None:
@@ -74,13 +76,13 @@ class StreamEncoder:
         if len(samples):
             self._pending = np.concatenate([self._pending, samples])
 
-    def _take_frames(self, final: bool) -> list[EncodedFrame]:
-        """Whole frames off the pending samples; with `final`, also the remainder (padded to a full Opus packet)."""
+    def _take_frames(self, final: bool, pad: bool = False) -> list[EncodedFrame]:
+        """Whole frames off the pending samples; with `final`, also the remainder (with `pad`, as a whole frame)."""
         size = self.format.frame_samples
         count, rest = divmod(len(self._pending), size)
         if final and rest:
             count += 1
-            if self._opus is not None:
+            if pad:
                 self._append(np.zeros(size - rest, np.float32))
         frames = [self._frame(self._pending[i * size:(i + 1) * size]) for i in range(count)]
         self._pending = self._pending[count * size:]

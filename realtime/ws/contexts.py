@@ -137,7 +137,7 @@ class SessionContext:
     async def _drain(self) -> None:
         """A flush or mark promises that all audio before it has been sent: the encoder gives out what it holds,
         and later audio starts a fresh one."""
-        frames = await self.framer.finish()
+        frames = await self.framer.finish(whole_frame=True)  # only a context's last frame may be shorter
         if self.cancelled:
             return
         self._queue_frames(frames, last=False)

@@ -39,9 +39,10 @@ class AudioFramer:
         self._encoded_samples += len(samples)
         return frames
 
-    async def finish(self) -> list[EncodedFrame]:
-        """What the encoder still holds (Opus: its lookahead, the last packet padded)."""
-        return await asyncio.to_thread(self.encoder.finish)
+    async def finish(self, whole_frame: bool = False) -> list[EncodedFrame]:
+        """What the encoder still holds (Opus: its lookahead, the last packet padded; `whole_frame`: every
+        encoding's last frame padded, as a flush needs)."""
+        return await asyncio.to_thread(self.encoder.finish, whole_frame)
 
     def restart(self) -> None:
         """After a flush or mark drained the encoder (its frames framed): later audio starts a fresh encoder. For
