@@ -604,12 +604,13 @@ def main() -> None:
     parser.add_argument("--overlap", choices=["on", "off"], default="on",
                         help="decode beside the next frame step (on a GPU)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--frame-path", choices=["torch", "triton"], help="default: triton on a GPU")
     parser.add_argument("--step-mode", choices=["eager", "padded", "graphs"], help="default: graphs on a GPU")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model_dir = write_random_checkpoint(Path(tmp.name) / "ckpt", args.size, "custom_voice", seed=0)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
     bench = Bench(TTSModel.load(model_dir, device=args.device, dtype=dtype), args)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
     result = dict(size=args.size, device=args.device, gpu=gpu, torch=torch.__version__)

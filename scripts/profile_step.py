@@ -2,8 +2,9 @@
 
 Profiles the eager step (so every kernel is visible with its own duration) and times the graphed step, at each
 batch size and frame path given; `--ops` times instead each matmul shape and the decode attention of the step alone
-(`triton.testing.do_bench`, L2 flushed between runs), with the bandwidth it reaches and its share of a step.
-Usage: python scripts/profile_step.py --size 1b7 --batches 1,64 [--ops]
+(`triton.testing.do_bench`, L2 flushed between runs), with the bandwidth it reaches and its share of a step;
+`--decoder 1x1,128x4` profiles the eager codec decoder's kernels per call instead.
+Usage: python scripts/profile_step.py --size 1b7 --batches 1,64 [--ops | --decoder 1x1,128x4]
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -41,11 +43,12 @@ def running_engine(tts: TTSModel, batch: int, frame_path: str) -> Engine:
     return engine
 
 
-def kernel_table(engine: Engine, steps: int) -> dict:
-    batch = engine.runner.batch(list(engine.running.values()))
+def kernel_table(run: Callable[[], object], steps: int) -> dict:
+    """The CUDA kernels of `steps` calls of `run`, grouped by name: count and GPU time per call."""
+    run()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            engine.runner.step(batch)
+            run()
         torch.cuda.synchronize()
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
@@ -107,16 +110,31 @@ def op_table(tts: TTSModel, batch: int, talker_length: int = 300) -> dict:
     return out
 
 
+def decoder_table(tts: TTSModel, batch: int, frames: int) -> dict:
+    """The eager codec decoder's kernels for one streaming call of `frames` frames at `batch` rows."""
+    cfg = tts.decoder.cfg
+    codes = torch.randint(0, cfg.codebook_size, (batch, frames, cfg.num_quantizers), device=tts.device)
+    state = tts.decoder.new_state(batch, tts.device, tts.dtype)
+    with torch.inference_mode():
+        return dict(decoder=f"{batch}x{frames}", **kernel_table(lambda: tts.decoder.decode_step(codes, state), 3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1b7", choices=["0b6", "1b7"])
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     parser.add_argument("--frame-paths", default="torch,triton")
     parser.add_argument("--ops", action="store_true", help="time each matmul shape and the attention alone")
+    parser.add_argument("--decoder", type=lambda s: [tuple(int(x) for x in b.split("x")) for b in s.split(",")],
+                        help="profile the eager codec decoder instead, at BATCHxFRAMES shapes (1x1,128x4)")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model_dir = write_random_checkpoint(Path(tmp.name) / "ckpt", args.size, "custom_voice", seed=0)
     tts = TTSModel.load(model_dir, device="cuda", dtype=torch.bfloat16)
+    if args.decoder:
+        for batch, frames in args.decoder:
+            print(json.dumps(decoder_table(tts, batch, frames)), flush=True)
+        return
     if args.ops:
         for batch in args.batches:
             print(json.dumps(dict(batch=batch, ops=op_table(tts, batch))), flush=True)
@@ -124,8 +142,9 @@ def main() -> None:
     for frame_path in args.frame_paths.split(","):
         for batch in args.batches:
             engine = running_engine(tts, batch, frame_path)
+            batch_rows = engine.runner.batch(list(engine.running.values()))
             result = dict(frame_path=frame_path, batch=batch, graph_step_ms=graph_time(engine),
-                          **kernel_table(engine, 3))
+                          **kernel_table(lambda: engine.runner.step(batch_rows), 3))
             print(json.dumps(result), flush=True)
             del engine
             torch.cuda.empty_cache()

@@ -71,3 +71,15 @@ def test_state_size_does_not_grow(decoder: CodecDecoder) -> None:
         decoder.decode_step(random_codes(7, seed=seed), state)
     assert size() == first
     assert state.position.item() == 3 + 20 * 7
+
+
+def test_decoder_cast_under_inference_mode_decodes_as_before(decoder: CodecDecoder) -> None:
+    """A copy cast inside inference mode has inference-tensor weights (no version counter): its derived weights (merged
+    projections, codebook vectors) are still made from its own weights, and it decodes as the original does."""
+    import copy
+    codes = random_codes(4)
+    with torch.inference_mode():
+        expected = decoder.decode(codes)
+        cast = copy.deepcopy(decoder).double().float()
+        assert cast.quantizer.rvq_first.vq.layers[0]._codebook.embedding_sum.is_inference()
+        assert torch.equal(cast.decode(codes), expected)

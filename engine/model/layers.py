@@ -18,7 +18,8 @@ from engine.config import TransformerConfig
 
 class Derived:
     """A tensor made from a module's weights (a codebook's vectors, merged projections), made once and again only
-    when the weights change: moved, cast, replaced or loaded into (their device, dtype, storage and version). What
+    when the weights change: moved, cast, replaced or loaded into (their device, dtype, storage and version; an
+    inference tensor keeps no version, and can be written only inside inference mode, which loading is not). What
     the reference recomputes on every call costs nothing per call then; a decode call makes it before any CUDA graph
     is captured, so a capture only reads it."""
 
@@ -28,7 +29,7 @@ class Derived:
         self._value: torch.Tensor | None = None
 
     def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
-        key = tuple((w.device, w.dtype, w.data_ptr(), w._version) for w in weights)
+        key = tuple((w.device, w.dtype, w.data_ptr(), None if w.is_inference() else w._version) for w in weights)
         if key != self._key:
             self._key, self._value = key, self.make()
         return self._value
