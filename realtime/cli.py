@@ -143,6 +143,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission",
                    help="all (every ready request is prefilled at once) or protect (a prefill waits, at most "
                         "0.1 s, while a running stream's buffer is thin); default: protect on a GPU, all on the CPU")
+    p.add_argument("--encoder-workers", type=int,
+                   help="processes that encode the sockets' audio (Opus, resampling) beside the event loop "
+                        "(default: a quarter of the cores, 1 to 8)")
     p.set_defaults(run=run_serve)
 
 
@@ -165,7 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from realtime.voices import CloneVoice, parse_openai_voice
 
     for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms",
-                 "max_voice_upload_bytes", "max_stored_voices"):
+                 "max_voice_upload_bytes", "max_stored_voices", "encoder_workers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise VoxgateError(f"--{name.replace('_', '-')} must be at least 1")
     if args.idle_timeout <= 0 or args.max_message_rate <= 0 or args.handshake_timeout <= 0:
@@ -189,7 +192,8 @@ def run_serve(args: argparse.Namespace) -> int:
     options = GatewayOptions(args.model, args.device, clones, limits, args.max_batch, llm=llm, dtype=args.dtype,
                              engine_process={"auto": None, "on": True, "off": False}[args.engine_process],
                              synthetic_frames_per_token=args.synthetic_frames_per_token, openai_voices=openai_voices,
-                             data_dir=args.data_dir, chunk_schedule=args.chunk_schedule, admission=args.admission)
+                             data_dir=args.data_dir, chunk_schedule=args.chunk_schedule, admission=args.admission,
+                             encoder_workers=args.encoder_workers)
     try:
         return serve(options, args.host, args.port)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop

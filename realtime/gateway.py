@@ -28,6 +28,7 @@ from engine.serving.async_engine import AsyncEngine
 from engine.serving.heap import freeze_long_lived, thaw
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
+from realtime.audio.encoder_pool import EncoderPool
 from realtime.lexicon import Lexicon, LexiconStore
 from realtime.llm import LLMConfig
 from realtime.metrics import Metrics
@@ -109,6 +110,7 @@ class GatewayOptions:
     data_dir: Path | None = None  # the voice library's directory; None: voices uploaded are kept in memory only
     chunk_schedule: str | None = None  # EngineConfig's: "fixed" | "lead"; None: GPU_SCHEDULING on a GPU, else fixed
     admission: str | None = None  # EngineConfig's: "all" | "protect"; None: GPU_SCHEDULING on a GPU, else all
+    encoder_workers: int | None = None  # audio encoder processes; None: a quarter of the cores (encoder_pool.py)
 
 
 def check_options(options: GatewayOptions) -> None:
@@ -154,6 +156,7 @@ class Gateway:
         self.voices: VoiceCatalog | None = None
         self.library: VoiceLibrary | None = None
         self.engine: AsyncEngine | ProcessEngine | None = None
+        self.encoders = EncoderPool(options.encoder_workers)  # the sockets' audio encoding, in processes of its own
         self.sessions: set = set()
         self.lexicons = LexiconStore()  # named pronunciation lexicons, in memory
         self.shutting_down = False
@@ -184,6 +187,7 @@ class Gateway:
             started = time.perf_counter()
             log.info("loading the model from %s on %s", self.options.model or "the embedded tiny model",
                      self.options.device)
+            await self.encoders.start()
             self.tts, self.voices, self.library = await asyncio.to_thread(self._load)
             log.info("model %s (%s) loaded in %.1f s; building the engine", self.model_name,
                      self.voices.variant, time.perf_counter() - started)
@@ -381,6 +385,7 @@ class Gateway:
             task.cancel()
         if self.engine is not None:
             await self.engine.stop()
+        await self.encoders.stop()
         thaw()
         if self.library is not None and self.library.store is not None:
             self.library.store.close()

@@ -53,6 +53,7 @@ from voxgate_client.client import ContextResult, ServerError, VoxgateClient, con
 WORDS = ("the quick brown fox jumps over a lazy dog while music plays softly in the old town hall tonight "
          "and everyone listens to the story about rivers mountains and distant cities").split()
 PREBUFFER_S = 0.1  # the closed loop's second playback: a client that buffers this much before it plays (issue 17)
+PHASES = ("text_s", "audio_arrival_span_s", "done_after_audio_s", "context_s")
 
 
 def llm_answer(rng: random.Random, token_rate: tuple[float, float]) -> list[tuple[float, str]]:
@@ -136,9 +137,16 @@ class Stats:
     smooth: list[bool] = field(default_factory=list)
     smooth_prebuffered: list[bool] = field(default_factory=list)  # behind PREBUFFER_S of client buffer
     errors: Counter = field(default_factory=Counter)
+    # where a context's time goes at the client, seconds: its text's pacing, the spread of its audio's arrivals, the
+    # wait from its last audio to context.done, and the whole of it (first append to context.done)
+    phases: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PHASES})
 
-    def add(self, result: ContextResult, sample_rate: int) -> None:
+    def add(self, result: ContextResult, sample_rate: int, text_s: float = 0.0, returned_at: float = 0.0) -> None:
         self.contexts += 1
+        if result.arrivals and result.started_at is not None and returned_at:
+            for name, value in zip(PHASES, (text_s, result.arrivals[-1] - result.arrivals[0],
+                                            returned_at - result.arrivals[-1], returned_at - result.started_at)):
+                self.phases[name].append(value)
         self.errors.update(e.get("code", "?") for e in result.errors)
         if result.ttfa_s is not None:
             self.client_ttfa_s.append(result.ttfa_s)
@@ -162,6 +170,8 @@ class Stats:
         self.smooth += other.smooth
         self.smooth_prebuffered += other.smooth_prebuffered
         self.errors.update(other.errors)
+        for name, values in other.phases.items():
+            self.phases[name] += values
 
 
 async def count_session_errors(client: VoxgateClient, errors: Counter) -> None:
@@ -181,8 +191,9 @@ async def run_session(index: int, args: argparse.Namespace, deadline: float, sta
             rate = client.session["audio"]["sample_rate"]
             count = 0
             while time.monotonic() < deadline and client.close_code is None:
-                result = await client.speak(f"s{index}-c{count}", paced(llm_answer(rng, args.token_rate)))
-                stats.add(result, rate)
+                answer = llm_answer(rng, args.token_rate)
+                result = await client.speak(f"s{index}-c{count}", paced(answer))
+                stats.add(result, rate, answer[-1][0] - answer[0][0], time.monotonic())
                 count += 1
                 if any(e.get("fatal") for e in result.errors):  # the server is closing this session
                     break
@@ -237,6 +248,7 @@ async def bench(args: argparse.Namespace, server_pid: int | None) -> dict:
             "ttfa_server_ms": percentiles(stats.server_ttfa_ms),
             "never_underrun": fraction(stats.smooth),
             f"never_underrun_behind_{round(PREBUFFER_S * 1000)}ms": fraction(stats.smooth_prebuffered),
+            "context_phases_ms": {name: percentiles(values, 1000.0) for name, values in stats.phases.items()},
             "errors": dict(stats.errors), "server_cpu": cpu_report(server_pid, cpu_first, cpu_last, stats.audio_s)}
 
 
@@ -377,7 +389,8 @@ async def open_request(args: argparse.Namespace, client: httpx.AsyncClient, inde
 class CpuTimes:
     at: float
     process_s: float  # the server process's user + system CPU seconds
-    children_s: float  # its living descendants' (the engine process on a GPU)
+    children_s: float  # its living descendants' but the encoders (the engine process on a GPU)
+    encoders_s: float  # its audio encoder processes' (realtime/audio/encoder_pool.py): the gateway's work
 
 
 def cpu_seconds(pid: int) -> float:
@@ -401,11 +414,14 @@ def descendants(pid: int) -> list[int]:
 
 
 def cpu_times(pid: int) -> CpuTimes:
-    children = 0.0
+    children = encoders = 0.0
     for child in descendants(pid):
         with contextlib.suppress(OSError):
-            children += cpu_seconds(child)
-    return CpuTimes(time.monotonic(), cpu_seconds(pid), children)
+            if b"realtime.audio.encoder_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                encoders += cpu_seconds(child)
+            else:
+                children += cpu_seconds(child)
+    return CpuTimes(time.monotonic(), cpu_seconds(pid), children, encoders)
 
 
 def listening_pid(port: int) -> int | None:
@@ -461,16 +477,18 @@ def open_loop_report(outcomes: list[Outcome], window: tuple[float, float]) -> di
 
 
 def cpu_report(pid: int | None, first: CpuTimes | None, last: CpuTimes | None, audio_s: float | None = None) -> dict:
-    """The server process's cores (the gateway: with the engine in a process of its own, that is the child's) and
-    its children's; with `audio_s` (the audio received over the same span), the gateway's CPU milliseconds per
-    second of audio, which says how many cores N real-time streams take."""
+    """The server process's cores (the gateway: with the engine in a process of its own, that is the child's), its
+    encoder processes' and its other children's; with `audio_s` (the audio received over the same span), the
+    gateway's CPU milliseconds (its process and its encoders) per second of audio, which says how many cores N
+    real-time streams take."""
     if pid is None or first is None or last is None:
-        return {"pid": pid, "cores": None, "children_cores": None}
+        return {"pid": pid, "cores": None, "encoder_cores": None, "children_cores": None}
     wall, process_s = last.at - first.at, last.process_s - first.process_s
-    report = {"pid": pid, "cores": round(process_s / wall, 2),
+    encoders_s = last.encoders_s - first.encoders_s
+    report = {"pid": pid, "cores": round(process_s / wall, 2), "encoder_cores": round(encoders_s / wall, 2),
               "children_cores": round((last.children_s - first.children_s) / wall, 2)}
     if audio_s:
-        report["cpu_ms_per_audio_s"] = round(1000 * process_s / audio_s, 2)
+        report["cpu_ms_per_audio_s"] = round(1000 * (process_s + encoders_s) / audio_s, 2)
     return report
 
 

@@ -14,8 +14,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile

@@ -99,6 +99,7 @@ class SessionContext:
             self._end_failed(failure)
         finally:
             collector.cancel()
+            self.framer.close()
         self.on_finished(self)
 
     async def _collect(self, backlog: asyncio.Queue) -> None:

@@ -1,26 +1,27 @@
-"""One context's audio on the wire: encoded off the event loop into the session's format, and framed as binary
+"""One context's audio on the wire: encoded in the gateway's encoder processes into the session's format, and framed as binary
 frames (PROTOCOL.md's header) or JSON `audio` events, with pts, FIRST / LAST / DISCONTINUITY flags and sequence
 numbers continuous across the encoders a flush or mark restarts."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from collections.abc import Callable
 
 import numpy as np
 
-from realtime.audio.encoders import StreamEncoder
+from realtime.audio.encoder_pool import EncoderPool
 from realtime.audio.formats import MODEL_SAMPLE_RATE, AudioFormat, EncodedFrame
 from realtime.ws.outbox import Outgoing
 from realtime.ws.protocol import FLAG_DISCONTINUITY, FLAG_FIRST, FLAG_LAST, event, pack_header
 
 
 class AudioFramer:
-    def __init__(self, context_id: str, stream_id: int, fmt: AudioFormat, transport: str) -> None:
+    def __init__(self, context_id: str, stream_id: int, fmt: AudioFormat, transport: str,
+                 encoders: EncoderPool) -> None:
         self.context_id, self.stream_id = context_id, stream_id
         self.format, self.transport = fmt, transport
-        self.encoder = StreamEncoder(fmt)
+        self.encoders = encoders
+        self.encoder = encoders.open(fmt)
         self.sent_first = False
         self.padding_s = 0.0  # silence the drained encoders added (a flush, a mark): later audio starts later
         self._seq = 0
@@ -34,26 +35,33 @@ class AudioFramer:
         return self._pts_base + self.encoder.samples_out
 
     async def encode(self, samples: np.ndarray) -> list[EncodedFrame]:
-        """The frames these model samples complete, encoded on a worker thread (the event loop keeps serving)."""
-        frames = await asyncio.to_thread(self.encoder.encode, samples)
+        """The frames these model samples complete, encoded in the encoder's process (the event loop keeps serving)."""
+        frames = await self.encoder.encode(samples)
         self._encoded_samples += len(samples)
         return frames
 
     async def finish(self, whole_frame: bool = False) -> list[EncodedFrame]:
         """What the encoder still holds (Opus: its lookahead, the last packet padded; `whole_frame`: every
         encoding's last frame padded, as a flush needs)."""
-        return await asyncio.to_thread(self.encoder.finish, whole_frame)
+        return await self.encoder.finish(whole_frame)
 
     def restart(self) -> None:
         """After a flush or mark drained the encoder (its frames framed): later audio starts a fresh encoder. For
-        Opus its first frame is flagged DISCONTINUITY: a decoder resets and drops `pre_skip` samples again."""
-        if not self.encoder.samples_out:
-            return
-        self._pts_base += self.encoder.samples_out
-        self.padding_s += self.encoder.samples_out / self.format.sample_rate - self._encoded_samples / MODEL_SAMPLE_RATE
-        self._encoded_samples = 0
-        self.encoder = StreamEncoder(self.format)
-        self._discontinuity = self.format.encoding == "opus"
+        Opus its first frame is flagged DISCONTINUITY: a decoder resets and drops `pre_skip` samples again. A drain
+        that gave out nothing leaves the timeline as it was (the drained encoder is replaced all the same: it is
+        finished)."""
+        if self.encoder.samples_out:
+            self._pts_base += self.encoder.samples_out
+            self.padding_s += (self.encoder.samples_out / self.format.sample_rate
+                               - self._encoded_samples / MODEL_SAMPLE_RATE)
+            self._encoded_samples = 0
+            self._discontinuity = self.format.encoding == "opus"
+        self.encoder.close()
+        self.encoder = self.encoders.open(self.format)
+
+    def close(self) -> None:
+        """The context is over: its encoder's state is freed (finished or not)."""
+        self.encoder.close()
 
     def outgoing(self, frames: list[EncodedFrame], last: bool, on_first_sent: Callable[[], None]) -> list[Outgoing]:
         """The frames as outbox items in order; `last` flags the final one (an empty frame if all audio already went

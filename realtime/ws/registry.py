@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from realtime.audio.encoder_pool import EncoderFailed
 from realtime.gateway import Gateway
 from realtime.voices import VoiceError
 from realtime.ws.backpressure import SlowConsumerPolicy
@@ -74,15 +75,18 @@ class ContextRegistry:
         except VoiceError as failure:  # an unknown voice or language
             raise ProtocolError(failure.code, str(failure), context_id=context_id) from None
         lexicon = self.settings.context_lexicon(message)
+        try:  # first: a context that cannot encode starts nothing
+            framer = AudioFramer(context_id, self._new_stream_id(), config.audio, config.transport,
+                                 self.gateway.encoders)
+        except EncoderFailed as failure:
+            raise ProtocolError("overloaded", str(failure), context_id=context_id) from None
         speech = self.gateway.speech_context(template, config.buffering, config.max_buffer_delay_ms, lexicon)
-        stream_id = self._new_stream_id()
-        framer = AudioFramer(context_id, stream_id, config.audio, config.transport)
         context = SessionContext(context_id, speech, framer, self.outbox, self.gateway.metrics, self.slow,
                                  self._finished, timestamps=config.timestamps == "word")
         self.open[context_id] = context
         self.gateway.metrics.contexts_active.inc()
-        self.outbox.put_event(event("context.started", context_id=context_id, stream_id=stream_id, voice=voice_id,
-                                    event_id=message.get("event_id")))
+        self.outbox.put_event(event("context.started", context_id=context_id, stream_id=framer.stream_id,
+                                    voice=voice_id, event_id=message.get("event_id")))
         return context
 
     def _new_stream_id(self) -> int:

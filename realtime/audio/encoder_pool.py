@@ -1,0 +1,223 @@
+"""The gateway's audio encoding, in processes of its own: a pool of `encoder_worker` processes, each holding the
+stateful encoders of the streams given to it. The event loop only writes samples to a pipe and reads frames back, so
+encoding scales across cores and never takes the loop's GIL (threads did not scale: docs/benchmarks.md, "Opus in
+worker processes").
+
+A stream stays on one worker (its encoder has state) and its calls are answered in order. A worker that dies fails
+the calls of its streams with `EncoderFailed` and is replaced for the streams opened after it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections import deque
+from dataclasses import asdict
+from itertools import count
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import VoxgateError
+from realtime.audio.encoder_worker import CLOSE, ENCODE, FINISH, FRAME, HEADER, OK, OPEN
+from realtime.audio.formats import AudioFormat, EncodedFrame
+
+log = logging.getLogger("voxgate")
+STOP_WAIT_S = 2.0
+
+
+class EncoderFailed(VoxgateError):
+    """An encoder call failed: its worker died, or the call was refused (the message says which)."""
+
+
+def default_workers() -> int:
+    """A quarter of the machine's cores, 1 to 8: libopus takes ~8 ms of a core per second of audio
+    (scripts/bench_opus.py), so 4 workers carry ~500 real-time streams, while the engine and the event loop keep
+    theirs."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+class _Process:
+    """One worker process: its pipes, its streams' answers still due, and the task that reads them."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.due: dict[int, deque[asyncio.Future[bytes]]] = {}  # stream -> its calls not yet answered, in order
+        self.streams = 0  # open streams
+        self.dead: EncoderFailed | None = None
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    def send(self, stream: int, op: int, payload: bytes = b"") -> None:
+        if self.dead is not None:
+            raise self.dead
+        self.process.stdin.write(HEADER.pack(stream, op, len(payload)) + payload)
+
+    async def call(self, stream: int, op: int, payload: bytes) -> bytes:
+        """Send a call that is answered; its answer's payload."""
+        answer = asyncio.get_running_loop().create_future()
+        self.send(stream, op, payload)
+        self.due.setdefault(stream, deque()).append(answer)
+        await self.process.stdin.drain()
+        return await answer
+
+    async def _read(self) -> None:
+        stdout = self.process.stdout
+        try:
+            while True:
+                stream, status, length = HEADER.unpack(await stdout.readexactly(HEADER.size))
+                payload = await stdout.readexactly(length) if length else b""
+                queue = self.due.get(stream)
+                if not queue:
+                    continue  # a stream closed while a call was in flight
+                answer = queue.popleft()
+                if not queue:
+                    del self.due[stream]
+                if answer.done():
+                    continue  # its caller was cancelled
+                if status == OK:
+                    answer.set_result(payload)
+                else:
+                    answer.set_exception(EncoderFailed(payload.decode(errors="replace")))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            self._die(EncoderFailed(f"the audio encoder process {self.process.pid} ended"))
+
+    def _die(self, failure: EncoderFailed) -> None:
+        if self.dead is None:
+            log.error("%s", failure)
+        self.dead = failure
+        for queue in self.due.values():
+            for answer in queue:
+                if not answer.done():
+                    answer.set_exception(failure)
+        self.due.clear()
+
+    async def stop(self) -> None:
+        self.dead = self.dead or EncoderFailed("the audio encoders are stopping")
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        try:
+            await asyncio.wait_for(self.process.wait(), STOP_WAIT_S)
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+        self.reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.reader
+
+
+class EncoderPool:
+    def __init__(self, workers: int | None = None) -> None:
+        """`workers`: processes; None: `default_workers()`."""
+        self.size = workers if workers is not None else default_workers()
+        if self.size < 1:
+            raise ValueError("the encoder pool needs at least one worker")
+        self._workers: list[_Process] = []
+        self._replacing: set[_Process] = set()
+        self._tasks: set[asyncio.Task] = set()  # replacements under way
+        self._ids = count(1)
+
+    async def start(self) -> None:
+        self._workers = [await self._spawn() for _ in range(self.size)]
+
+    async def stop(self) -> None:
+        workers, self._workers = self._workers, []
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*(worker.stop() for worker in workers), *self._tasks, return_exceptions=True)
+
+    @staticmethod
+    async def _spawn() -> _Process:
+        root = str(Path(__file__).resolve().parents[2])  # where `realtime` is, whoever started this process
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "realtime.audio.encoder_worker", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": path})
+        return _Process(process)
+
+    def open(self, fmt: AudioFormat) -> PooledEncoder:
+        """A new stream's encoder, on the live worker with the fewest open streams (a dead one is being replaced)."""
+        if not self._workers:
+            raise EncoderFailed("the audio encoders are not running")
+        for worker in self._workers:
+            if worker.dead is not None and worker not in self._replacing:
+                self._replace(worker)
+        live = [worker for worker in self._workers if worker.dead is None]
+        if not live:
+            raise EncoderFailed("no audio encoder process is running; try again shortly")
+        return PooledEncoder(min(live, key=lambda w: w.streams), next(self._ids), fmt.check())
+
+    def _replace(self, dead: _Process) -> None:
+        """Start a worker in the dead one's place; until it runs, the streams opened go to the others."""
+        self._replacing.add(dead)
+
+        async def replace() -> None:
+            try:
+                fresh = await self._spawn()
+            except OSError:
+                log.exception("could not restart an audio encoder process")
+                return
+            finally:
+                self._replacing.discard(dead)
+            if dead in self._workers:
+                self._workers[self._workers.index(dead)] = fresh
+            else:  # the pool stopped meanwhile
+                await fresh.stop()
+
+        task = asyncio.get_running_loop().create_task(replace())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class PooledEncoder:
+    """One stream's `StreamEncoder`, in a worker: the same calls, awaited."""
+
+    def __init__(self, worker: _Process, stream: int, fmt: AudioFormat) -> None:
+        self.format = fmt
+        self._worker, self._stream = worker, stream
+        self._samples_out = 0
+        self._open = True
+        worker.send(stream, OPEN, json.dumps(asdict(fmt)).encode())
+        worker.streams += 1
+
+    @property
+    def samples_out(self) -> int:
+        """Total samples of the frames given out so far."""
+        return self._samples_out
+
+    async def encode(self, samples: np.ndarray) -> list[EncodedFrame]:
+        """The complete frames that `samples` (float32, 24 kHz) finish; the rest waits in the worker for more."""
+        if not self._open:
+            raise EncoderFailed("encode after the stream's end")
+        data = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1).tobytes()
+        return self._frames(await self._worker.call(self._stream, ENCODE, data))
+
+    async def finish(self, whole_frame: bool = False) -> list[EncodedFrame]:
+        """The stream's last frames (`StreamEncoder.finish`); the worker forgets the stream."""
+        if not self._open:
+            return []
+        self._release()
+        return self._frames(await self._worker.call(self._stream, FINISH, b"\x01" if whole_frame else b"\x00"))
+
+    def close(self) -> None:
+        """Forget the stream without its last frames (a cancelled context); nothing if it has finished."""
+        if self._open:
+            self._release()
+            with contextlib.suppress(EncoderFailed, OSError):
+                self._worker.send(self._stream, CLOSE)
+
+    def _release(self) -> None:
+        self._open = False
+        self._worker.streams -= 1
+
+    def _frames(self, payload: bytes) -> list[EncodedFrame]:
+        frames, at = [], 0
+        while at < len(payload):
+            samples, length = FRAME.unpack_from(payload, at)
+            at += FRAME.size
+            frames.append(EncodedFrame(payload[at:at + length], self._samples_out, samples))
+            self._samples_out += samples
+            at += length
+        return frames

@@ -1,0 +1,129 @@
+"""The encoder pool: each stream's frames, from real worker processes and the real libopus, are exactly what a
+`StreamEncoder` in this process gives for the same pieces, however streams interleave across workers; a worker that
+dies fails its streams' calls with `EncoderFailed` and is replaced."""
+import asyncio
+import signal
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from realtime.audio.encoder_pool import EncoderFailed, EncoderPool
+from realtime.audio.encoder_worker import CLOSE, ENCODE, FAILED, OPEN, Worker
+from realtime.audio.encoders import StreamEncoder
+from realtime.audio.formats import FRAME_MS, SAMPLE_RATES, AudioFormat, UnsupportedFormat
+
+FORMATS = [AudioFormat(encoding, rate, frame_ms) for encoding in SAMPLE_RATES for rate in SAMPLE_RATES[encoding]
+           for frame_ms in FRAME_MS[encoding][:2]]
+
+
+def speech_like(seed: int, samples: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(samples) / 24000
+    return (0.3 * np.sin(2 * np.pi * rng.uniform(100, 400) * t) + 0.05 * rng.standard_normal(samples)).astype(
+        np.float32)
+
+
+def local(fmt: AudioFormat, pieces: list[np.ndarray], whole_frame: bool) -> list[tuple[bytes, int, int]]:
+    encoder = StreamEncoder(fmt)
+    frames = [f for piece in pieces for f in encoder.encode(piece)] + encoder.finish(whole_frame)
+    return [(f.payload, f.pts, f.samples) for f in frames]
+
+
+async def pooled(pool: EncoderPool, fmt: AudioFormat, pieces: list[np.ndarray],
+                 whole_frame: bool) -> list[tuple[bytes, int, int]]:
+    encoder = pool.open(fmt)
+    frames = []
+    for piece in pieces:
+        frames += await encoder.encode(piece)
+        await asyncio.sleep(0)  # let the other streams' calls in between
+    frames += await encoder.finish(whole_frame)
+    return [(f.payload, f.pts, f.samples) for f in frames]
+
+
+streams = st.lists(st.tuples(st.sampled_from(FORMATS), st.lists(st.integers(0, 4000), max_size=8), st.booleans(),
+                             st.integers(0, 2**16)), min_size=1, max_size=6)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams)
+def test_pooled_streams_equal_local_encoders(cases) -> None:
+    async def run() -> list:
+        pool = EncoderPool(2)
+        await pool.start()
+        try:
+            return await asyncio.gather(*(pooled(pool, fmt, pieces, whole) for fmt, pieces, whole in inputs))
+        finally:
+            await pool.stop()
+
+    inputs = [(fmt, np.split(speech_like(seed, sum(sizes)), np.cumsum(sizes)[:-1]) if sizes else [], whole)
+              for fmt, sizes, whole, seed in cases]
+    assert asyncio.run(run()) == [local(fmt, pieces, whole) for fmt, pieces, whole in inputs]
+
+
+def test_streams_spread_over_the_workers_and_close_frees_them() -> None:
+    async def run() -> None:
+        pool = EncoderPool(3)
+        await pool.start()
+        try:
+            encoders = [pool.open(AudioFormat()) for _ in range(6)]
+            assert sorted(w.streams for w in pool._workers) == [2, 2, 2]
+            await encoders[0].encode(speech_like(0, 4800))
+            encoders[0].close()
+            await encoders[1].finish()
+            assert sum(w.streams for w in pool._workers) == 4
+            with pytest.raises(EncoderFailed):
+                await encoders[0].encode(speech_like(0, 480))
+            assert await encoders[1].finish() == []
+        finally:
+            await pool.stop()
+
+    asyncio.run(run())
+
+
+def test_a_dead_worker_fails_its_streams_and_is_replaced() -> None:
+    async def run() -> None:
+        pool = EncoderPool(1)
+        await pool.start()
+        try:
+            encoder = pool.open(AudioFormat())
+            await encoder.encode(speech_like(1, 2400))
+            victim = pool._workers[0]
+            victim.process.send_signal(signal.SIGKILL)
+            with pytest.raises(EncoderFailed, match="ended"):
+                await encoder.encode(speech_like(1, 2400))
+            with pytest.raises(EncoderFailed):  # the only worker is dead: its replacement starts now
+                pool.open(AudioFormat())
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if pool._workers[0] is not victim:
+                    break
+            fresh = pool.open(AudioFormat("pcm_s16le"))
+            frames = await fresh.encode(speech_like(2, 960))
+            assert [f.samples for f in frames] == [480, 480]
+        finally:
+            await pool.stop()
+
+    asyncio.run(run())
+
+
+def test_a_bad_format_is_refused_before_it_reaches_a_worker() -> None:
+    async def run() -> None:
+        pool = EncoderPool(1)
+        await pool.start()
+        try:
+            with pytest.raises(UnsupportedFormat):
+                pool.open(AudioFormat("opus", 44100))
+        finally:
+            await pool.stop()
+
+    asyncio.run(run())
+
+
+def test_worker_refuses_a_call_for_a_stream_it_does_not_hold() -> None:
+    worker = Worker()
+    assert worker.handle(7, ENCODE, b"\0" * 8)[0] == FAILED
+    assert worker.handle(7, OPEN, b"{\"encoding\": \"opus\", \"sample_rate\": 44100}") is None  # refused: not held
+    assert worker.handle(7, ENCODE, b"\0" * 8)[0] == FAILED
+    assert worker.handle(7, CLOSE, b"") is None
