@@ -145,7 +145,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "0.1 s, while a running stream's buffer is thin); default: protect on a GPU, all on the CPU")
     p.add_argument("--encoder-workers", type=int,
                    help="processes that encode the sockets' audio (Opus, resampling) beside the event loop "
-                        "(default: a quarter of the cores, 1 to 8)")
+                        "(default: half the cores, 1 to 8)")
     p.set_defaults(run=run_serve)
 
 

@@ -110,7 +110,7 @@ class GatewayOptions:
     data_dir: Path | None = None  # the voice library's directory; None: voices uploaded are kept in memory only
     chunk_schedule: str | None = None  # EngineConfig's: "fixed" | "lead"; None: GPU_SCHEDULING on a GPU, else fixed
     admission: str | None = None  # EngineConfig's: "all" | "protect"; None: GPU_SCHEDULING on a GPU, else all
-    encoder_workers: int | None = None  # audio encoder processes; None: a quarter of the cores (encoder_pool.py)
+    encoder_workers: int | None = None  # audio encoder processes; None: half the cores, 1 to 8 (encoder_pool.py)
 
 
 def check_options(options: GatewayOptions) -> None:

@@ -1,8 +1,9 @@
 """Load generator for a voxgate server, end to end. Closed loop (the default): N concurrent sessions, each speaking
 contexts one after another whose text arrives like an LLM's answer (first token after 100-300 ms, then LOW-HIGH
 tokens/s in pieces of 1-4 words), for a fixed duration. Prints one JSON report: client-side TTFA (from the first
-append), the server's own `ttfa_ms`, the share of contexts that never underran in a simulated player, and errors by
-code. `--processes P` spreads the sessions over P client processes: one Python process reads ~10,000 audio
+append), the server's own `ttfa_ms`, the share of contexts that never underran in a simulated player, where a
+context's time went, and errors by code. By default a session's next context starts at once (a stress load that takes
+all the server gives); `--listen` makes each session play its audio and wait for its user first, as a voice chat does. `--processes P` spreads the sessions over P client processes: one Python process reads ~10,000 audio
 messages a second at most, so past ~64 sessions a single one falls behind and the server closes its sessions as
 slow consumers.
 
@@ -53,6 +54,7 @@ from voxgate_client.client import ContextResult, ServerError, VoxgateClient, con
 WORDS = ("the quick brown fox jumps over a lazy dog while music plays softly in the old town hall tonight "
          "and everyone listens to the story about rivers mountains and distant cities").split()
 PREBUFFER_S = 0.1  # the closed loop's second playback: a client that buffers this much before it plays (issue 17)
+USER_TURN_S = (1.0, 3.0)  # `--listen`: how long the user takes to answer, after the audio has played
 PHASES = ("text_s", "audio_arrival_span_s", "done_after_audio_s", "context_s")
 
 
@@ -116,6 +118,16 @@ def playback(chunks: list[tuple[float, float]], prebuffer_s: float = 0.0) -> Pla
             playhead = arrival
         playhead += seconds
     return Playback(chunks[0][0], tuple(chunks), tuple(gaps))
+
+
+def played_until(result: ContextResult, sample_rate: int) -> float:
+    """When a client that buffers PREBUFFER_S before it plays has played the context's last audio (its stalls
+    included); now, for a context without audio."""
+    total = round(result.done["audio_ms"] / 1000 * sample_rate) if result.done else 0
+    played = playback(context_chunks(result, sample_rate, total), PREBUFFER_S)
+    if played is None:
+        return time.monotonic()
+    return played.start + PREBUFFER_S + sum(seconds for _, seconds in played.chunks) + sum(played.gaps)
 
 
 def context_chunks(result: ContextResult, sample_rate: int, total_samples: int) -> list[tuple[float, float]]:
@@ -197,6 +209,9 @@ async def run_session(index: int, args: argparse.Namespace, deadline: float, sta
                 count += 1
                 if any(e.get("fatal") for e in result.errors):  # the server is closing this session
                     break
+                if args.listen and time.monotonic() < deadline:
+                    await asyncio.sleep(max(0.0, played_until(result, rate) - time.monotonic())
+                                        + rng.uniform(*USER_TURN_S))
             await client.close()
             await watcher
     except ServerError as failure:  # refused (overloaded, unauthorized) or closed under us
@@ -242,7 +257,8 @@ async def bench(args: argparse.Namespace, server_pid: int | None) -> dict:
     cpu_last = cpu_times(server_pid) if server_pid else None
     return {"url": args.url, "sessions": args.sessions, "processes": args.processes, "duration_s": args.duration,
             "wall_s": round(wall, 1), "encoding": args.encoding, "buffering": args.buffering,
-            "token_rate": list(args.token_rate), "contexts": stats.contexts, "contexts_done": stats.done,
+            "token_rate": list(args.token_rate), "listen": args.listen, "contexts": stats.contexts,
+            "contexts_done": stats.done,
             "audio_s": round(stats.audio_s, 1), "audio_s_per_wall_s": round(stats.audio_s / wall, 2),
             "ttfa_client_ms": percentiles(stats.client_ttfa_s, 1000.0),
             "ttfa_server_ms": percentiles(stats.server_ttfa_ms),
@@ -580,6 +596,10 @@ def main() -> None:
                         help="LLM text rate in tokens/s, a range LOW-HIGH drawn per answer")
     parser.add_argument("--encoding", default="opus", choices=["opus", "pcm_s16le", "mulaw"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--listen", action="store_true",
+                        help="closed loop: each session plays its audio (behind a 100 ms buffer) and waits 1-3 s for "
+                             "its user before the next context, as a voice chat does (default: the next context at "
+                             "once, a stress load)")
     parser.add_argument("--buffering", default="auto", choices=["auto", "none", "sentence"],
                         help="text.buffering of the sessions (none: TTFA from the first token)")
     open_loop_options = parser.add_argument_group("open loop (--mode open)")

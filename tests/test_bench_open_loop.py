@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.core.simulator import poisson_times
-from scripts.bench_gateway import PROMPTS, audible_onset, context_chunks, load_prompts, nearest_rank, playback
+from scripts.bench_gateway import (PROMPTS, audible_onset, context_chunks, load_prompts, nearest_rank, playback,
+                                   played_until)
 from scripts.make_prompts import count_words, prompts
 from tests.server_process import ROOT, server_process
 from voxgate_client.client import AudioFrame, ContextResult
@@ -156,15 +157,27 @@ def test_a_closed_loop_spread_over_client_processes_reports_every_session(tmp_pa
     with server_process(["--synthetic-frames-per-token", "2"], tmp_path / "server.log") as server:
         run = subprocess.run(
             [sys.executable, "scripts/bench_gateway.py", "--url", server.ws, "--sessions", "3", "--processes", "2",
-             "--duration", "1", "--encoding", "pcm_s16le"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+             "--duration", "1", "--encoding", "pcm_s16le", "--listen"], cwd=ROOT, capture_output=True, text=True,
+            timeout=600)
         server.assert_alive()
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout.splitlines()[-1])
-    assert report["processes"] == 2 and report["errors"] == {}
+    assert report["processes"] == 2 and report["errors"] == {} and report["listen"]
+    phases = report["context_phases_ms"]
+    assert 0 < phases["audio_arrival_span_s"]["p50"] <= phases["context_s"]["p50"]
     assert report["contexts"] >= 3 and report["contexts_done"] == report["contexts"]
     assert report["audio_s"] > 0
     assert report["ttfa_server_ms"]["p50"] > 0
     assert 0 <= report["never_underrun"] <= report["never_underrun_behind_100ms"] <= 1  # a buffer only helps
+
+
+def test_a_listening_session_waits_for_its_audio_to_play_stalls_included():
+    """`--listen`: the next context waits until a player behind 100 ms has played the last audio."""
+    frames = [AudioFrame("c", 1, 1, 0, b"a", True, False), AudioFrame("c", 1, 2, 24000, b"b", False, True)]
+    result = ContextResult("c", started_at=0.0, frames=frames, arrivals=[10.0, 12.0])
+    result.done = {"audio_ms": 2000}
+    # 1 s of audio from 10.1 (the buffer), a stall until the second second arrives at 12.0, then 1 s more
+    assert played_until(result, 24000) == pytest.approx(13.0)
 
 
 def test_client_processes_are_for_the_closed_loop_against_a_server():

@@ -147,6 +147,10 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
         conn.send(("failed", EngineFailed(f"{type(failure).__name__}: {failure}")))
         return
     freeze_long_lived()  # this process lives as long as its engine
+    if engine.tts.device.type == "cuda":
+        # Its CPU work is small tensors between launches: a pool of intra-op threads only spins (13 threads at ~17%
+        # each beside 128 sessions on the H100 host), on the cores the gateway's encoder processes need.
+        torch.set_num_threads(1)
     conn.send(("ready", engine.slots))
     try:
         StepLoop(engine, _PipeInbox(conn), _PipeOutbox(conn)).run()

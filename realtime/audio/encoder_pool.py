@@ -34,10 +34,10 @@ class EncoderFailed(VoxgateError):
 
 
 def default_workers() -> int:
-    """A quarter of the machine's cores, 1 to 8: libopus takes ~8 ms of a core per second of audio
-    (scripts/bench_opus.py), so 4 workers carry ~500 real-time streams, while the engine and the event loop keep
-    theirs."""
-    return max(1, min(8, (os.cpu_count() or 1) // 4))
+    """Half the machine's cores, 1 to 8: an encoder process takes ~11 ms of a core per second of Opus audio on the
+    H100 host (4 of them were saturated by ~290 audio s per wall s), and the engine and the event loop need a core
+    or two of the rest."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 class _Process:
