@@ -83,3 +83,22 @@ def test_decoder_cast_under_inference_mode_decodes_as_before(decoder: CodecDecod
         cast = copy.deepcopy(decoder).double().float()
         assert cast.quantizer.rvq_first.vq.layers[0]._codebook.embedding_sum.is_inference()
         assert torch.equal(cast.decode(codes), expected)
+
+
+def test_a_copied_decoder_derives_from_its_own_weights(decoder: CodecDecoder) -> None:
+    """A deep copy whose weights then change decodes as a decoder built with those weights, not as the original
+    (its merged projections and codebook vectors are made from the copy's weights)."""
+    import copy
+    codes = random_codes(4)
+    with torch.inference_mode():
+        decoder.decode(codes)  # the original's derived weights are made
+    changed = copy.deepcopy(decoder)
+    with torch.no_grad():
+        for name, param in changed.named_parameters():
+            if name.endswith(("embedding_sum", "q_proj.weight", "gate_proj.weight")):
+                param.mul_(0.5)
+    fresh = CodecDecoder(decoder.cfg).eval()
+    fresh.load_state_dict(changed.state_dict())
+    with torch.inference_mode():
+        assert torch.equal(changed.decode(codes), fresh.decode(codes))
+        assert not torch.equal(changed.decode(codes), decoder.decode(codes))

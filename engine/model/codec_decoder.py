@@ -151,8 +151,8 @@ class WindowAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self._qkv_weight = Derived(lambda: torch.cat([p.weight for p in self._projections()]))
-        self._qkv_bias = Derived(lambda: torch.cat([p.bias for p in self._projections()])) if bias else None
+        self._qkv_weight = Derived(lambda *weights: torch.cat(weights))
+        self._qkv_bias = Derived(lambda *biases: torch.cat(biases)) if bias else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 state: DecoderState, layer: int) -> torch.Tensor:
@@ -208,7 +208,7 @@ class GateUpMLP(MLP):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__(hidden, intermediate)
-        self._gate_up = Derived(lambda: torch.cat((self.gate_proj.weight, self.up_proj.weight)))
+        self._gate_up = Derived(lambda gate, up: torch.cat((gate, up)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self._gate_up(self.gate_proj.weight, self.up_proj.weight)).chunk(2, dim=-1)
@@ -260,7 +260,7 @@ class Codebook(nn.Module):
         super().__init__()
         self.cluster_usage = nn.Parameter(torch.ones(size))
         self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
-        self._vectors = Derived(lambda: self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None])
+        self._vectors = Derived(lambda total, usage: total / usage.clamp(min=1e-5)[:, None])
 
     def vectors(self) -> torch.Tensor:
         """embedding_sum / usage, as the reference divides them: made once (`Derived`), not in every decode call."""

@@ -21,9 +21,10 @@ class Derived:
     when the weights change: moved, cast, replaced or loaded into (their device, dtype, storage and version; an
     inference tensor keeps no version, and can be written only inside inference mode, which loading is not). What
     the reference recomputes on every call costs nothing per call then; a decode call makes it before any CUDA graph
-    is captured, so a capture only reads it."""
+    is captured, so a capture only reads it. `make` is a function of the weights alone (it never reads a module): a
+    copied module then derives from its own weights, not from those of the module it was copied from."""
 
-    def __init__(self, make: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, make: Callable[..., torch.Tensor]) -> None:
         self.make = make
         self._key: tuple | None = None
         self._value: torch.Tensor | None = None
@@ -31,7 +32,7 @@ class Derived:
     def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
         key = tuple((w.device, w.dtype, w.data_ptr(), None if w.is_inference() else w._version) for w in weights)
         if key != self._key:
-            self._key, self._value = key, self.make()
+            self._key, self._value = key, self.make(*weights)
         return self._value
 
 
