@@ -15,6 +15,7 @@ import soundfile
 import soxr
 
 from realtime.audio.containers import body_encoder, format_available
+from realtime.audio.encoder_pool import EncoderPool
 from realtime.audio.encoders import OPUS_COMPLEXITY, StreamEncoder
 from realtime.audio.formats import (
     DEFAULT_RATES,
@@ -87,6 +88,7 @@ def test_defaults_and_frame_sizes() -> None:
     (AudioFormat("opus", 24000, 30), ("frame_ms 30", "10, 20, 40, 60")),
     (AudioFormat("pcm_s16le", 24000, 15), ("frame_ms 15", "10, 20, 30")),
     (AudioFormat("pcm_s16le", 24000, 110), ("frame_ms 110", "100")),
+    (AudioFormat("mulaw", 8000, 40), ("mulaw does not support frame_ms 40", "allowed: 20")),
     (AudioFormat("opus", bitrate=5999), ("bitrate 5999", "6000 to 128000")),
     (AudioFormat("opus", bitrate=128001), ("bitrate 128001", "6000 to 128000")),
 ])
@@ -404,12 +406,17 @@ def test_a_fresh_encoder_after_a_flush_is_flagged_in_either_transport(transport)
     """After a flush drained the Opus encoder, the next frame starts a new stream: a client resets its decoder and
     drops pre_skip again. The binary header flags it DISCONTINUITY; a JSON audio event says `discontinuity`."""
     async def frames_around_a_flush():
-        framer = AudioFramer("c", 7, AudioFormat(), transport)
-        speech = speech_like(0.2, MODEL_SAMPLE_RATE)
-        before = framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
-        before += framer.outgoing(await framer.finish(), last=False, on_first_sent=lambda: None)
-        framer.restart()
-        return before, framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
+        pool = EncoderPool(1)
+        await pool.start()
+        try:
+            framer = AudioFramer("c", 7, AudioFormat(), transport, pool)
+            speech = speech_like(0.2, MODEL_SAMPLE_RATE)
+            before = framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
+            before += framer.outgoing(await framer.finish(), last=False, on_first_sent=lambda: None)
+            framer.restart()
+            return before, framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
+        finally:
+            await pool.stop()
 
     before, after = asyncio.run(frames_around_a_flush())
 
@@ -419,3 +426,23 @@ def test_a_fresh_encoder_after_a_flush_is_flagged_in_either_transport(transport)
         return json.loads(item.payload).get("discontinuity") is True
 
     assert not any(map(discontinuity, before)) and discontinuity(after[0]) and not any(map(discontinuity, after[1:]))
+
+
+def test_a_drain_before_any_audio_leaves_the_timeline_and_a_working_encoder():
+    """A flush or mark before the context's first audio drains an encoder that gave out nothing: the next audio
+    still encodes (from a fresh encoder), starts at pts 0 and is not flagged as a discontinuity."""
+    async def go():
+        pool = EncoderPool(1)
+        await pool.start()
+        try:
+            framer = AudioFramer("c", 1, AudioFormat(), "binary", pool)
+            assert await framer.finish(whole_frame=True) == []
+            framer.restart()
+            frames = await framer.encode(speech_like(0.2, MODEL_SAMPLE_RATE))
+            return frames, framer.outgoing(frames, last=False, on_first_sent=lambda: None)
+        finally:
+            await pool.stop()
+
+    frames, items = asyncio.run(go())
+    assert frames and frames[0].pts == 0
+    assert not any(item.payload[1] & FLAG_DISCONTINUITY for item in items)

@@ -16,7 +16,7 @@ DEFAULT_RATES: dict[str, int] = {"opus": MODEL_SAMPLE_RATE, "pcm_s16le": MODEL_S
 FRAME_MS: dict[str, tuple[int, ...]] = {
     "opus": (10, 20, 40, 60),  # the Opus frame sizes a single packet can carry
     "pcm_s16le": tuple(range(10, 101, 10)),
-    "mulaw": tuple(range(10, 101, 10)),
+    "mulaw": (20,),  # PROTOCOL.md: mu-law is 8 kHz in 20 ms frames (160 bytes), what telephony bridges expect
 }
 OPUS_BITRATES = (6000, 128000)
 OPUS_RATE = 48000  # Ogg Opus counts granules and pre-skip at 48 kHz whatever the coded rate
