@@ -124,6 +124,11 @@ class VoiceCatalog:
         speakers of a CustomVoice model."""
         return voice_id in self._stored or self._key(voice_id) in self.builtin_ids
 
+    def takes_instructions(self, voice_id: str) -> bool:
+        """Instructions shape this voice: a built-in speaker or the VoiceDesign model's voice, not a stored voice
+        (it keeps what it was saved with) nor a clone."""
+        return voice_id not in self._stored and self.variant != "base"
+
     def add_stored(self, stored: StoredVoice, voice: Voice) -> None:
         self._stored[stored.name] = (stored, voice)
 

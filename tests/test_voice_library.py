@@ -80,6 +80,26 @@ async def first_append_error(client: VoxgateClient, voice: str) -> str:
     raise AssertionError("the socket closed")
 
 
+async def designed_session_names_stored(server) -> str:
+    """In a session whose instructions design its voice, a context naming a stored voice speaks that voice (the
+    session's instructions are not its); one that names instructions of its own for it is refused."""
+    async with VoxgateClient.connect(server.ws, preset="pcm") as client:
+        await client.start(instructions="A bright, quick voice.")
+        await client.append("stored", "Stored voices speak.", voice="narrator")
+        await client.end("stored")
+        seen = []
+        async for message in client.events():
+            seen.append(message if isinstance(message, dict) else "audio")
+            if isinstance(message, dict) and message["type"] in ("context.done", "error"):
+                break
+        assert seen[-1]["type"] == "context.done" and "audio" in seen, seen
+        await client.append("own", "Anyone there?", voice="narrator", instructions="Another voice.")
+        async for message in client.events():
+            if isinstance(message, dict) and message.get("context_id") == "own":
+                return message.get("code", message["type"])
+    raise AssertionError("the socket closed")
+
+
 async def refused_voice(server, voice: str) -> str:
     async with VoxgateClient.connect(server.ws, preset="pcm") as client:
         return await first_append_error(client, voice)
@@ -254,6 +274,7 @@ def test_models_that_cannot_make_voices_and_voice_design(tiny_checkpoints, tmp_p
         designed = speech(server, "narrator")
         assert designed[0] == 200 and designed == speech(server, "design", instructions="A calm, low narrator's voice.")
         assert speech(server, "narrator", instructions="Another voice.")[0] == 400
+        assert asyncio.run(designed_session_names_stored(server)) == "invalid_config"
     with running_server(model=tiny_checkpoints["voice_design"], data_dir=data_dir) as server:
         assert speech(server, "narrator") == designed
 

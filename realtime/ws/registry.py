@@ -69,6 +69,8 @@ class ContextRegistry:
         config = self.settings.config
         voice_id, instructions, language = self.settings.context_fields(message)
         voice_id = voice_id or self.gateway.voices.default
+        if message.get("instructions") is None and voice_id and not self.gateway.voices.takes_instructions(voice_id):
+            instructions = None  # the session's instructions describe its voices; a stored voice keeps its own
         try:
             voice = self.gateway.voices.resolve(voice_id, instructions)
             template = self.gateway.template(voice, language, config.sampling)
