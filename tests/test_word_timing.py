@@ -63,3 +63,16 @@ def test_words_and_their_times_are_the_same_however_the_text_arrives(text, data)
     for i, piece in enumerate(pieces):
         words += timeline.add(0, piece, final=i == len(pieces) - 1, audio_end_s=0.0)
     assert words == whole
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.text(st.sampled_from(list("ab ,.你")), min_size=1, max_size=20),
+                          st.floats(0, 0.5)), min_size=1, max_size=5))
+def test_words_never_overlap_across_utterances(utterances):
+    """Each utterance's text reaches the engine when the audio made so far (which only grows) may be shorter than
+    the previous words' estimate: a word still starts after the one before it ends."""
+    timeline, audio_end_s, words = WordTimeline(), 0.0, []
+    for index, (text, made_s) in enumerate(utterances):
+        audio_end_s += made_s
+        words += timeline.add(index, text, final=True, audio_end_s=audio_end_s)
+    assert all(a.end_s <= b.start_s for a, b in zip(words, words[1:])), [(w.start_s, w.end_s) for w in words]

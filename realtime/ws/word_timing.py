@@ -2,7 +2,8 @@
 cancel with `played_ms`.
 
 The model gives no alignment, so times are estimates (`estimated: true`): each word lasts a nominal time for its
-length and starts no earlier than the audio already made when its text reached the engine. Words are timed as soon as
+length and starts no earlier than the audio already made when its text reached the engine, nor before the words
+before it have ended (an utterance's estimate may run past its audio: the next one's words follow them). Words are timed as soon as
 their text goes to the engine, so their event always goes out before the audio they describe.
 """
 from __future__ import annotations
@@ -49,9 +50,9 @@ class WordTimeline:
     def add(self, utterance: int, text: str, final: bool, audio_end_s: float) -> list[Word]:
         """Text that went to the engine for `utterance` while the context's audio reached `audio_end_s`; returns the
         words it completed (a word at the end of the text waits for the next character unless `final`)."""
-        if utterance != self._utterance:
+        if utterance != self._utterance:  # where its audio starts, but never inside the words already sent
             self._utterance = utterance
-            self._cursor_s = audio_end_s
+            self._cursor_s = max(self._cursor_s, audio_end_s)
         self.text += text
         timed = []
         for token in _TOKEN.finditer(self.text, self._untimed_from):
