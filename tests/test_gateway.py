@@ -585,3 +585,30 @@ def test_only_a_contexts_last_frame_is_shorter_than_frame_ms(server, encoding, r
     whole = rate * frame_ms // 1000 * (1 if encoding == "mulaw" else 2)  # bytes of a whole frame
     assert any(e["type"] == "context.flushed" for e in events) and len(frames) > 3
     assert all(len(frame["payload"]) == whole for frame in frames[:-1]), [len(f["payload"]) for f in frames]
+
+
+def test_cancelled_and_abandoned_contexts_free_their_encoders(server):
+    """Every context holds an encoder in the gateway's encoder processes: one cancelled at once, one cancelled while
+    speaking, one left open when its client vanishes and one spoken to its end all give theirs back."""
+    workers = server.server.gateway.encoders._workers
+
+    async def go():
+        conn = await session(server)
+        for i in range(6):
+            await conn.send(type="text.append", context_id=f"now{i}", text="Hello there.")
+            await conn.send(type="context.cancel", context_id=f"now{i}")
+        await conn.until(done_of("now5"))
+        await conn.send(type="text.append", context_id="mid", text="Hello there, how are you today?", flush=True)
+        await conn.until(lambda e: e["type"] == "binary")
+        await conn.send(type="context.cancel", context_id="mid")
+        await conn.until(done_of("mid"))
+        await speak(conn, "whole")
+        await conn.send(type="text.append", context_id="left", text="Hello there, how are you today?", flush=True)
+        await conn.ws.close()
+        for _ in range(100):
+            if sum(worker.streams for worker in workers) == 0:
+                return 0
+            await asyncio.sleep(0.05)
+        return sum(worker.streams for worker in workers)
+
+    assert run(go()) == 0

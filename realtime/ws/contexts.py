@@ -70,6 +70,7 @@ class SessionContext:
         self.cancelled = True
         self.speech.cancel()
         self._task.cancel()
+        self.framer.close()  # here too: a task cancelled before it ran never reaches its own `finally`
         self.stats.audio_sent_ms -= self.outbox.drop(self.context_id)
 
     def heard_text(self, played_ms: float) -> str:
