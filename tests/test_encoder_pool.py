@@ -2,6 +2,7 @@
 `StreamEncoder` in this process gives for the same pieces, however streams interleave across workers; a worker that
 dies fails its streams' calls with `EncoderFailed` and is replaced."""
 import asyncio
+import os
 import signal
 
 import numpy as np
@@ -127,3 +128,23 @@ def test_worker_refuses_a_call_for_a_stream_it_does_not_hold() -> None:
     assert worker.handle(7, OPEN, b"{\"encoding\": \"opus\", \"sample_rate\": 44100}") is None  # refused: not held
     assert worker.handle(7, ENCODE, b"\0" * 8)[0] == FAILED
     assert worker.handle(7, CLOSE, b"") is None
+
+
+def test_workers_outlive_the_signals_a_shutdown_sends_the_process_group() -> None:
+    """Ctrl-C reaches every process of the group; the gateway then drains its sessions, so its encoders must still
+    answer: they leave when the pool closes their pipes."""
+    async def run() -> list:
+        pool = EncoderPool(1)
+        await pool.start()
+        try:
+            encoder = pool.open(AudioFormat("pcm_s16le"))
+            await encoder.encode(speech_like(3, 480))  # the worker is up
+            assert os.getpgid(pool._workers[0].process.pid) != os.getpgrp()  # a Ctrl-C on the terminal misses it
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a service manager signals every process all the same
+                pool._workers[0].process.send_signal(sig)
+            await asyncio.sleep(0.3)
+            return await encoder.encode(speech_like(3, 960))
+        finally:
+            await pool.stop()
+
+    assert [f.samples for f in asyncio.run(run())] == [480, 480]

@@ -132,9 +132,11 @@ class EncoderPool:
     async def _spawn() -> _Process:
         root = str(Path(__file__).resolve().parents[2])  # where `realtime` is, whoever started this process
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        # A session of its own, out of the server's process group: a Ctrl-C there must not stop the encoding of the
+        # sessions the server then drains (the worker ignores SIGINT and SIGTERM too, and leaves when its pipe closes).
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "realtime.audio.encoder_worker", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": path})
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": path}, start_new_session=True)
         return _Process(process)
 
     def open(self, fmt: AudioFormat) -> PooledEncoder:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import sys
 from typing import BinaryIO
@@ -80,7 +81,10 @@ def serve(inbox: BinaryIO, outbox: BinaryIO) -> None:
 
 def main() -> None:
     """The answers go out on a private copy of stdout; stdout itself goes to stderr, so that nothing a library
-    prints can break the protocol."""
+    prints can break the protocol. Ctrl-C or a service manager signals the whole process group: the gateway drains
+    its sessions first, encoding their last audio, and then closes the pipe, which ends this process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     outbox = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     serve(sys.stdin.buffer, outbox)
