@@ -123,13 +123,30 @@ def test_serve_runs_the_readme_command_and_stops_cleanly():
         assert status == 200
         voices = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/voices", timeout=5))
         assert voices["default"] in [v["id"] for v in voices["voices"]]
+        encoders = encoder_processes(server.pid)
+        assert encoders  # its audio encoder processes
     finally:
         server.send_signal(signal.SIGINT)
         output = server.communicate(timeout=60)[0]
     assert server.returncode == 0, output
+    assert not any(Path(f"/proc/{pid}").exists() for pid in encoders)  # they left with it
     assert "Finished server process" in output and "Traceback" not in output
     assert "loading the model" in output and "warming up" in output and "ready in" in output
     assert "engine: 8 slots; at most 64 WebSocket sessions and 192 connections" in output  # the CPU keeps 64
+
+
+def encoder_processes(parent: int) -> list[int]:
+    """The pids of `parent`'s encoder worker processes (realtime/audio/encoder_pool.py)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if ppid == parent and b"realtime.audio.encoder_worker" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def test_serve_refuses_bad_limits():
