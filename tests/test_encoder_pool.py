@@ -2,8 +2,10 @@
 `StreamEncoder` in this process gives for the same pieces, however streams interleave across workers; a worker that
 dies fails its streams' calls with `EncoderFailed` and is replaced."""
 import asyncio
+import contextlib
 import os
 import signal
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -17,6 +19,16 @@ from realtime.audio.formats import FRAME_MS, SAMPLE_RATES, AudioFormat, Unsuppor
 
 FORMATS = [AudioFormat(encoding, rate, frame_ms) for encoding in SAMPLE_RATES for rate in SAMPLE_RATES[encoding]
            for frame_ms in FRAME_MS[encoding][:2]]
+
+
+@contextlib.asynccontextmanager
+async def running_pool(workers: int) -> AsyncIterator[EncoderPool]:
+    pool = EncoderPool(workers)
+    await pool.start()
+    try:
+        yield pool
+    finally:
+        await pool.stop()
 
 
 def speech_like(seed: int, samples: int) -> np.ndarray:
@@ -51,12 +63,8 @@ streams = st.lists(st.tuples(st.sampled_from(FORMATS), st.lists(st.integers(0, 4
 @given(streams)
 def test_pooled_streams_equal_local_encoders(cases) -> None:
     async def run() -> list:
-        pool = EncoderPool(2)
-        await pool.start()
-        try:
+        async with running_pool(2) as pool:
             return await asyncio.gather(*(pooled(pool, fmt, pieces, whole) for fmt, pieces, whole in inputs))
-        finally:
-            await pool.stop()
 
     inputs = [(fmt, np.split(speech_like(seed, sum(sizes)), np.cumsum(sizes)[:-1]) if sizes else [], whole)
               for fmt, sizes, whole, seed in cases]
@@ -65,9 +73,7 @@ def test_pooled_streams_equal_local_encoders(cases) -> None:
 
 def test_streams_spread_over_the_workers_and_close_frees_them() -> None:
     async def run() -> None:
-        pool = EncoderPool(3)
-        await pool.start()
-        try:
+        async with running_pool(3) as pool:
             encoders = [pool.open(AudioFormat()) for _ in range(6)]
             assert sorted(w.streams for w in pool._workers) == [2, 2, 2]
             await encoders[0].encode(speech_like(0, 4800))
@@ -77,17 +83,13 @@ def test_streams_spread_over_the_workers_and_close_frees_them() -> None:
             with pytest.raises(EncoderFailed):
                 await encoders[0].encode(speech_like(0, 480))
             assert await encoders[1].finish() == []
-        finally:
-            await pool.stop()
 
     asyncio.run(run())
 
 
 def test_a_dead_worker_fails_its_streams_and_is_replaced() -> None:
     async def run() -> None:
-        pool = EncoderPool(1)
-        await pool.start()
-        try:
+        async with running_pool(1) as pool:
             encoder = pool.open(AudioFormat())
             await encoder.encode(speech_like(1, 2400))
             victim = pool._workers[0]
@@ -103,21 +105,15 @@ def test_a_dead_worker_fails_its_streams_and_is_replaced() -> None:
             fresh = pool.open(AudioFormat("pcm_s16le"))
             frames = await fresh.encode(speech_like(2, 960))
             assert [f.samples for f in frames] == [480, 480]
-        finally:
-            await pool.stop()
 
     asyncio.run(run())
 
 
 def test_a_bad_format_is_refused_before_it_reaches_a_worker() -> None:
     async def run() -> None:
-        pool = EncoderPool(1)
-        await pool.start()
-        try:
+        async with running_pool(1) as pool:
             with pytest.raises(UnsupportedFormat):
                 pool.open(AudioFormat("opus", 44100))
-        finally:
-            await pool.stop()
 
     asyncio.run(run())
 
@@ -134,9 +130,7 @@ def test_workers_outlive_the_signals_a_shutdown_sends_the_process_group() -> Non
     """Ctrl-C reaches every process of the group; the gateway then drains its sessions, so its encoders must still
     answer: they leave when the pool closes their pipes."""
     async def run() -> list:
-        pool = EncoderPool(1)
-        await pool.start()
-        try:
+        async with running_pool(1) as pool:
             encoder = pool.open(AudioFormat("pcm_s16le"))
             await encoder.encode(speech_like(3, 480))  # the worker is up
             assert os.getpgid(pool._workers[0].process.pid) != os.getpgrp()  # a Ctrl-C on the terminal misses it
@@ -144,7 +138,5 @@ def test_workers_outlive_the_signals_a_shutdown_sends_the_process_group() -> Non
                 pool._workers[0].process.send_signal(sig)
             await asyncio.sleep(0.3)
             return await encoder.encode(speech_like(3, 960))
-        finally:
-            await pool.stop()
 
     assert [f.samples for f in asyncio.run(run())] == [480, 480]

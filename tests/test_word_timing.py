@@ -1,6 +1,8 @@
 """Estimated word times: words are timed once complete, in order, never before the audio that was already made."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,4 +77,4 @@ def test_words_never_overlap_across_utterances(utterances):
     for index, (text, made_s) in enumerate(utterances):
         audio_end_s += made_s
         words += timeline.add(index, text, final=True, audio_end_s=audio_end_s)
-    assert all(a.end_s <= b.start_s for a, b in zip(words, words[1:])), [(w.start_s, w.end_s) for w in words]
+    assert all(a.end_s <= b.start_s for a, b in pairwise(words)), [(w.start_s, w.end_s) for w in words]
