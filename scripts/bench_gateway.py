@@ -3,9 +3,10 @@ contexts one after another whose text arrives like an LLM's answer (first token 
 tokens/s in pieces of 1-4 words), for a fixed duration. Prints one JSON report: client-side TTFA (from the first
 append), the server's own `ttfa_ms`, the share of contexts that never underran in a simulated player, where a
 context's time went, and errors by code. By default a session's next context starts at once (a stress load that takes
-all the server gives); `--listen` makes each session play its audio and wait for its user first, as a voice chat does. `--processes P` spreads the sessions over P client processes: one Python process reads ~10,000 audio
-messages a second at most, so past ~64 sessions a single one falls behind and the server closes its sessions as
-slow consumers.
+all the server gives); `--listen` makes each session play its audio and wait for its user first, as a voice chat
+does. `--processes P` spreads the sessions over P client processes: one Python process reads ~10,000 audio messages
+a second at most, so past ~64 sessions a single one falls behind and the server closes its sessions as slow
+consumers.
 
 Open loop (`--mode open`): requests arrive at Poisson times (`--rate` per second for `--duration` s), each its own
 task, whatever the others are doing: `--traffic http` streams `POST /v1/audio/speech` as raw PCM (what nari-labs'

@@ -15,7 +15,6 @@ import soundfile
 import soxr
 
 from realtime.audio.containers import body_encoder, format_available
-from realtime.audio.encoder_pool import EncoderPool
 from realtime.audio.encoders import OPUS_COMPLEXITY, StreamEncoder
 from realtime.audio.formats import (
     DEFAULT_RATES,
@@ -31,6 +30,7 @@ from realtime.audio.mulaw import mulaw_decode, mulaw_encode
 from realtime.ws.framing import AudioFramer
 from realtime.ws.protocol import FLAG_DISCONTINUITY
 from scripts.bench_opus import quality, speech_like
+from tests.test_encoder_pool import running_pool
 
 LENGTH = int(1.234 * MODEL_SAMPLE_RATE)  # not a whole number of frames at any rate
 
@@ -406,17 +406,13 @@ def test_a_fresh_encoder_after_a_flush_is_flagged_in_either_transport(transport)
     """After a flush drained the Opus encoder, the next frame starts a new stream: a client resets its decoder and
     drops pre_skip again. The binary header flags it DISCONTINUITY; a JSON audio event says `discontinuity`."""
     async def frames_around_a_flush():
-        pool = EncoderPool(1)
-        await pool.start()
-        try:
+        async with running_pool(1) as pool:
             framer = AudioFramer("c", 7, AudioFormat(), transport, pool)
             speech = speech_like(0.2, MODEL_SAMPLE_RATE)
             before = framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
             before += framer.outgoing(await framer.finish(), last=False, on_first_sent=lambda: None)
             framer.restart()
             return before, framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
-        finally:
-            await pool.stop()
 
     before, after = asyncio.run(frames_around_a_flush())
 
@@ -432,16 +428,12 @@ def test_a_drain_before_any_audio_leaves_the_timeline_and_a_working_encoder():
     """A flush or mark before the context's first audio drains an encoder that gave out nothing: the next audio
     still encodes (from a fresh encoder), starts at pts 0 and is not flagged as a discontinuity."""
     async def go():
-        pool = EncoderPool(1)
-        await pool.start()
-        try:
+        async with running_pool(1) as pool:
             framer = AudioFramer("c", 1, AudioFormat(), "binary", pool)
             assert await framer.finish(whole_frame=True) == []
             framer.restart()
             frames = await framer.encode(speech_like(0.2, MODEL_SAMPLE_RATE))
             return frames, framer.outgoing(frames, last=False, on_first_sent=lambda: None)
-        finally:
-            await pool.stop()
 
     frames, items = asyncio.run(go())
     assert frames and frames[0].pts == 0

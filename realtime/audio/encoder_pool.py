@@ -115,8 +115,7 @@ class EncoderPool:
         if self.size < 1:
             raise ValueError("the encoder pool needs at least one worker")
         self._workers: list[_Process] = []
-        self._replacing: set[_Process] = set()
-        self._tasks: set[asyncio.Task] = set()  # replacements under way
+        self._replacements: dict[_Process, asyncio.Task] = {}  # dead worker -> the start of the one in its place
         self._ids = count(1)
 
     async def start(self) -> None:
@@ -124,9 +123,10 @@ class EncoderPool:
 
     async def stop(self) -> None:
         workers, self._workers = self._workers, []
-        for task in list(self._tasks):
+        replacements = list(self._replacements.values())
+        for task in replacements:
             task.cancel()
-        await asyncio.gather(*(worker.stop() for worker in workers), *self._tasks, return_exceptions=True)
+        await asyncio.gather(*(worker.stop() for worker in workers), *replacements, return_exceptions=True)
 
     @staticmethod
     async def _spawn() -> _Process:
@@ -144,7 +144,7 @@ class EncoderPool:
         if not self._workers:
             raise EncoderFailed("the audio encoders are not running")
         for worker in self._workers:
-            if worker.dead is not None and worker not in self._replacing:
+            if worker.dead is not None and worker not in self._replacements:
                 self._replace(worker)
         live = [worker for worker in self._workers if worker.dead is None]
         if not live:
@@ -153,8 +153,6 @@ class EncoderPool:
 
     def _replace(self, dead: _Process) -> None:
         """Start a worker in the dead one's place; until it runs, the streams opened go to the others."""
-        self._replacing.add(dead)
-
         async def replace() -> None:
             try:
                 fresh = await self._spawn()
@@ -162,15 +160,13 @@ class EncoderPool:
                 log.exception("could not restart an audio encoder process")
                 return
             finally:
-                self._replacing.discard(dead)
+                self._replacements.pop(dead, None)
             if dead in self._workers:
                 self._workers[self._workers.index(dead)] = fresh
             else:  # the pool stopped meanwhile
                 await fresh.stop()
 
-        task = asyncio.get_running_loop().create_task(replace())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._replacements[dead] = asyncio.get_running_loop().create_task(replace())
 
 
 class PooledEncoder:

@@ -19,6 +19,9 @@ from typing import BinaryIO
 
 import numpy as np
 
+from realtime.audio.encoders import StreamEncoder
+from realtime.audio.formats import AudioFormat
+
 HEADER = struct.Struct("<QBI")
 FRAME = struct.Struct("<II")
 OPEN, ENCODE, FINISH, CLOSE = 1, 2, 3, 4
@@ -32,17 +35,13 @@ def pack_frames(frames: list) -> bytes:
 
 class Worker:
     def __init__(self) -> None:
-        from realtime.audio.encoders import StreamEncoder
-        from realtime.audio.formats import AudioFormat
-
-        self._make = lambda fields: StreamEncoder(AudioFormat(**fields))
-        self.encoders: dict = {}
+        self.encoders: dict[int, StreamEncoder] = {}
 
     def handle(self, stream: int, op: int, payload: bytes) -> tuple[int, bytes] | None:
         """One call; its answer (status, payload), or None for a call that has none."""
         try:
             if op == OPEN:
-                self.encoders[stream] = self._make(json.loads(payload))
+                self.encoders[stream] = StreamEncoder(AudioFormat(**json.loads(payload)))
                 return None
             if op == CLOSE:
                 self.encoders.pop(stream, None)

@@ -1,6 +1,6 @@
-"""One context's audio on the wire: encoded in the gateway's encoder processes into the session's format, and framed as binary
-frames (PROTOCOL.md's header) or JSON `audio` events, with pts, FIRST / LAST / DISCONTINUITY flags and sequence
-numbers continuous across the encoders a flush or mark restarts."""
+"""One context's audio on the wire: encoded in the gateway's encoder processes into the session's format, and framed
+as binary frames (PROTOCOL.md's header) or JSON `audio` events, with pts, FIRST / LAST / DISCONTINUITY flags and
+sequence numbers continuous across the encoders a flush or mark restarts."""
 from __future__ import annotations
 
 import base64

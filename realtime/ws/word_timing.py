@@ -3,8 +3,8 @@ cancel with `played_ms`.
 
 The model gives no alignment, so times are estimates (`estimated: true`): each word lasts a nominal time for its
 length and starts no earlier than the audio already made when its text reached the engine, nor before the words
-before it have ended (an utterance's estimate may run past its audio: the next one's words follow them). Words are timed as soon as
-their text goes to the engine, so their event always goes out before the audio they describe.
+before it have ended (an utterance's estimate may run past its audio: the next one's words follow them). Words are
+timed as soon as their text goes to the engine, so their event always goes out before the audio they describe.
 """
 from __future__ import annotations
 
