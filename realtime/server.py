@@ -29,6 +29,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="The `websockets` implementation is deprecated")
     warnings.filterwarnings("ignore", message="websockets.legacy is deprecated")
     from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
+    from websockets.protocol import State
 
 
 
@@ -70,6 +71,16 @@ class SharedDrainWebSocketProtocol(WebSocketProtocol):
                     waiter.set_result(None)
                 else:
                     waiter.set_exception(exc)
+
+    async def ensure_open(self) -> None:
+        """Once nothing more can be received (the peer's close frame arrived, or the protocol failed the connection:
+        a message over the size limit, a ping unanswered), say so at once. The legacy protocol waits for the TCP close
+        first, up to its 10 s close timeout, so a peer that kept its socket open after a close held a session open
+        (and a place under `max_sessions`) that long. The TCP close still completes, or times out, in the background.
+        """
+        if self.state is not State.CONNECTING and self.transfer_data_task.done():
+            raise self.connection_closed_exc()
+        await super().ensure_open()
 
 
 PING_INTERVAL_S = 20.0

@@ -11,7 +11,10 @@ import time
 import httpx
 import pytest
 from websockets.asyncio.client import connect
+from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
+from websockets.uri import parse_uri
 
 from realtime.gateway import Limits
 from realtime.ws.backpressure import MAX_QUEUED_ITEMS
@@ -81,6 +84,61 @@ def test_a_client_that_floods_and_never_reads_is_closed_not_buffered_for(server)
     assert code == 1008 and events[-1]["code"] == "slow_consumer" and events[-1]["fatal"] is True
     assert str(MAX_QUEUED_ITEMS) in events[-1]["message"]  # (what the client got past that sat in socket buffers)
     assert server.get("/health")[0] == 200
+
+
+class RawClient:
+    """A WebSocket client on a plain TCP socket (websockets' sans-I/O protocol): it closes the socket only when told
+    to, whatever the protocol says, as a careless or hostile peer may."""
+
+    def __init__(self, url: str) -> None:
+        uri = parse_uri(url)
+        self.protocol = ClientProtocol(uri)
+        self.sock = socket.create_connection((uri.host, uri.port), timeout=10)
+        self.protocol.send_request(self.protocol.connect())
+        self.flush()
+
+    def flush(self) -> None:
+        for data in self.protocol.data_to_send():
+            if data:
+                self.sock.sendall(data)
+
+    def read(self, until) -> None:
+        """Reads (answering what the protocol answers) until `until(protocol)` holds or the server closes TCP."""
+        while not until(self.protocol):
+            data = self.sock.recv(65536)
+            if not data:
+                return
+            self.protocol.receive_data(data)
+            self.protocol.events_received()
+            self.flush()
+
+
+@pytest.mark.parametrize("how", ["oversized message", "close frame"])
+def test_a_session_ends_with_its_websocket_even_if_the_peer_keeps_tcp_open(server, how):
+    """A peer that keeps its TCP connection open after the WebSocket closed (the server failed it with 1009, or the
+    peer sent its own close frame) no longer holds a session, so it cannot keep others out under --max-sessions.
+    (The legacy protocol waited up to 10 s for the TCP close before telling the app.)"""
+    sessions = server.server.gateway.sessions
+    client = RawClient(server.ws)
+    try:
+        client.read(lambda protocol: protocol.state is State.OPEN)
+        deadline = time.monotonic() + 10
+        while not sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(sessions) == 1
+        if how == "oversized message":
+            client.protocol.send_text(b"x" * (server.server.gateway.limits.max_message_bytes + 1))
+        else:
+            client.protocol.send_close(1000)
+        client.flush()
+        client.read(lambda protocol: protocol.close_rcvd is not None)
+        assert client.protocol.close_rcvd.code == (1009 if how == "oversized message" else 1000)
+        deadline = time.monotonic() + 2
+        while sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not sessions, "the session outlived its WebSocket's close"
+    finally:
+        client.sock.close()
 
 
 def test_messages_past_the_rate_are_dropped_with_rate_limited(server):
