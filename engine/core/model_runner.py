@@ -72,18 +72,18 @@ class ModelRunner:
         return self.cache.shape.capacity
 
     def batch(self, seqs: list[Sequence]) -> StepBatch:
-        """The step's inputs for `seqs`, one row each."""
-        device = self.device
+        """The step's inputs for `seqs`, one row each, on the host: `run` takes them to the device (the graphed
+        step in one copy per dtype that does not wait for the step before)."""
 
         def column(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
+            return torch.tensor(values, dtype=torch.long)
 
         return StepBatch(
             slots=column([s.slot for s in seqs]),
             positions=column([s.prompt.prefill.shape[0] + s.frames for s in seqs]),
             frame_index=column([s.frames for s in seqs]),
             text_ids=column([s.text_id() for s in seqs]),
-            sampling=BatchSampling.of([s.sampling for s in seqs], device),
+            sampling=BatchSampling.of([s.sampling for s in seqs]),
         )
 
     @torch.inference_mode()
@@ -95,7 +95,7 @@ class ModelRunner:
         self.seen[slot_index] = False
 
     def eager_step(self, batch: StepBatch) -> StepCodes:
-        return StepCodes(self.step(batch))
+        return StepCodes(self.step(batch.to(self.device)))
 
     def step(self, batch: StepBatch) -> torch.Tensor:
         """One frame for every row: codes [B, 16] (code 0 may be EOS); advances each slot by one position."""

@@ -1,12 +1,13 @@
-"""The inputs of one frame step, on the device (what the model runner builds and a CUDA graph replays), and its
-codes on their way to the host."""
+"""The inputs of one frame step (built on the host, run on the device or replayed by a CUDA graph), and its codes
+on their way to the host."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from engine.reference import BatchSampling
+from engine.sampling import SamplerBatch
 
 
 @dataclass
@@ -18,6 +19,28 @@ class StepBatch:
     frame_index: torch.Tensor  # [B] long: frames produced so far
     text_ids: torch.Tensor  # [B] long: text-track token for this step
     sampling: BatchSampling
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch, in a fixed order (`of_tensors` reads the same order)."""
+        sampling = self.sampling
+        return [self.slots, self.positions, self.frame_index, self.text_ids, *_sampler_tensors(sampling.talker),
+                *_sampler_tensors(sampling.code_predictor), sampling.penalty, sampling.seeds, sampling.min_frames]
+
+    @classmethod
+    def of_tensors(cls, tensors: list[torch.Tensor]) -> StepBatch:
+        slots, positions, frame_index, text_ids, *rest = tensors
+        sampler_fields = len(fields(SamplerBatch))
+        talker, code_predictor = rest[:sampler_fields], rest[sampler_fields:2 * sampler_fields]
+        penalty, seeds, min_frames = rest[2 * sampler_fields:]
+        sampling = BatchSampling(SamplerBatch(*talker), SamplerBatch(*code_predictor), penalty, seeds, min_frames)
+        return cls(slots, positions, frame_index, text_ids, sampling)
+
+    def to(self, device: torch.device) -> StepBatch:
+        return StepBatch.of_tensors([t.to(device) for t in self.tensors()])
+
+
+def _sampler_tensors(sampler: SamplerBatch) -> list[torch.Tensor]:
+    return [getattr(sampler, f.name) for f in fields(SamplerBatch)]
 
 
 @dataclass
