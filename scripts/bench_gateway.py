@@ -147,6 +147,7 @@ class Stats:
     audio_s: float = 0.0
     client_ttfa_s: list[float] = field(default_factory=list)
     server_ttfa_ms: list[float] = field(default_factory=list)
+    server_ttfa_later_ms: list[float] = field(default_factory=list)  # each session's contexts after its first
     smooth: list[bool] = field(default_factory=list)
     smooth_prebuffered: list[bool] = field(default_factory=list)  # behind PREBUFFER_S of client buffer
     errors: Counter = field(default_factory=Counter)
@@ -154,7 +155,9 @@ class Stats:
     # wait from its last audio to context.done, and the whole of it (first append to context.done)
     phases: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PHASES})
 
-    def add(self, result: ContextResult, sample_rate: int, text_s: float = 0.0, returned_at: float = 0.0) -> None:
+    def add(self, result: ContextResult, sample_rate: int, text_s: float = 0.0, returned_at: float = 0.0,
+            later: bool = False) -> None:
+        """`later`: not its session's first context (all sessions start theirs at once: a burst)."""
         self.contexts += 1
         if result.arrivals and result.started_at is not None and returned_at:
             for name, value in zip(PHASES, (text_s, result.arrivals[-1] - result.arrivals[0],
@@ -170,8 +173,10 @@ class Stats:
         if result.done is not None:
             self.done += 1
             self.audio_s += result.done["audio_ms"] / 1000
-            if result.done["metrics"].get("ttfa_ms") is not None:
-                self.server_ttfa_ms.append(result.done["metrics"]["ttfa_ms"])
+            if (ttfa_ms := result.done["metrics"].get("ttfa_ms")) is not None:
+                self.server_ttfa_ms.append(ttfa_ms)
+                if later:
+                    self.server_ttfa_later_ms.append(ttfa_ms)
 
     def merge(self, other: Stats) -> None:
         """Another client process's share, added to this one."""
@@ -180,6 +185,7 @@ class Stats:
         self.audio_s += other.audio_s
         self.client_ttfa_s += other.client_ttfa_s
         self.server_ttfa_ms += other.server_ttfa_ms
+        self.server_ttfa_later_ms += other.server_ttfa_later_ms
         self.smooth += other.smooth
         self.smooth_prebuffered += other.smooth_prebuffered
         self.errors.update(other.errors)
@@ -206,7 +212,7 @@ async def run_session(index: int, args: argparse.Namespace, deadline: float, sta
             while time.monotonic() < deadline and client.close_code is None:
                 answer = llm_answer(rng, args.token_rate)
                 result = await client.speak(f"s{index}-c{count}", paced(answer))
-                stats.add(result, rate, answer[-1][0] - answer[0][0], time.monotonic())
+                stats.add(result, rate, answer[-1][0] - answer[0][0], time.monotonic(), later=count > 0)
                 count += 1
                 if any(e.get("fatal") for e in result.errors):  # the server is closing this session
                     break
@@ -263,6 +269,7 @@ async def bench(args: argparse.Namespace, server_pid: int | None) -> dict:
             "audio_s": round(stats.audio_s, 1), "audio_s_per_wall_s": round(stats.audio_s / wall, 2),
             "ttfa_client_ms": percentiles(stats.client_ttfa_s, 1000.0),
             "ttfa_server_ms": percentiles(stats.server_ttfa_ms),
+            "ttfa_server_later_ms": percentiles(stats.server_ttfa_later_ms),
             "never_underrun": fraction(stats.smooth),
             f"never_underrun_behind_{round(PREBUFFER_S * 1000)}ms": fraction(stats.smooth_prebuffered),
             "context_phases_ms": {name: percentiles(values, 1000.0) for name, values in stats.phases.items()},
