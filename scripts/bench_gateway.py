@@ -151,6 +151,8 @@ class Stats:
     smooth: list[bool] = field(default_factory=list)
     smooth_prebuffered: list[bool] = field(default_factory=list)  # behind PREBUFFER_S of client buffer
     errors: Counter = field(default_factory=Counter)
+    # sessions still running --drain-s after the duration (cancelled then): what each was doing, and since when
+    stuck: list[dict] = field(default_factory=list)
     # where a context's time goes at the client, seconds: its text's pacing, the spread of its audio's arrivals, the
     # wait from its last audio to context.done, and the whole of it (first append to context.done)
     phases: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PHASES})
@@ -189,6 +191,7 @@ class Stats:
         self.smooth += other.smooth
         self.smooth_prebuffered += other.smooth_prebuffered
         self.errors.update(other.errors)
+        self.stuck += other.stuck
         for name, values in other.phases.items():
             self.phases[name] += values
 
@@ -200,8 +203,11 @@ async def count_session_errors(client: VoxgateClient, errors: Counter) -> None:
             errors[item.get("code", "?")] += 1
 
 
-async def run_session(index: int, args: argparse.Namespace, deadline: float, stats: Stats) -> None:
+async def run_session(index: int, args: argparse.Namespace, deadline: float, stats: Stats,
+                      doing: dict[int, tuple[str, float]]) -> None:
+    """`doing[index]`: what the session is doing now and since when (a stuck session's report says it)."""
     rng = random.Random(args.seed * 100_003 + index)
+    doing[index] = ("connecting", time.monotonic())
     try:
         async with VoxgateClient.connect(args.url, api_key=args.api_key, encoding=args.encoding) as client:
             watcher = asyncio.create_task(count_session_errors(client, stats.errors))
@@ -211,14 +217,17 @@ async def run_session(index: int, args: argparse.Namespace, deadline: float, sta
             count = 0
             while time.monotonic() < deadline and client.close_code is None:
                 answer = llm_answer(rng, args.token_rate)
+                doing[index] = (f"speaking s{index}-c{count}", time.monotonic())
                 result = await client.speak(f"s{index}-c{count}", paced(answer))
                 stats.add(result, rate, answer[-1][0] - answer[0][0], time.monotonic(), later=count > 0)
                 count += 1
                 if any(e.get("fatal") for e in result.errors):  # the server is closing this session
                     break
                 if args.listen and time.monotonic() < deadline:
+                    doing[index] = ("listening", time.monotonic())
                     await asyncio.sleep(max(0.0, played_until(result, rate) - time.monotonic())
                                         + rng.uniform(*USER_TURN_S))
+            doing[index] = ("closing", time.monotonic())
             await client.close()
             await watcher
     except ServerError as failure:  # refused (overloaded, unauthorized) or closed under us
@@ -236,11 +245,18 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | No
 
 async def run_sessions(args: argparse.Namespace, indices: range) -> tuple[Stats, float]:
     """These sessions for --duration from now: their stats and the wall time they took."""
-    stats = Stats()
+    stats, doing = Stats(), {}
     started = time.monotonic()
     deadline = started + args.duration
-    await asyncio.gather(*(run_session(i, args, deadline, stats) for i in indices))
-    return stats, time.monotonic() - started
+    tasks = {asyncio.create_task(run_session(i, args, deadline, stats, doing)): i for i in indices}
+    _, pending = await asyncio.wait(tasks, timeout=args.duration + args.drain_s)
+    now = time.monotonic()
+    for task in pending:  # a context that never ended, a close never answered: reported, not waited for forever
+        task.cancel()
+        what, since = doing[tasks[task]]
+        stats.stuck.append({"session": tasks[task], "doing": what, "for_s": round(now - since, 1)})
+    await asyncio.gather(*pending, return_exceptions=True)
+    return stats, now - started
 
 
 def client_process(args: argparse.Namespace, indices: range) -> tuple[Stats, float]:
@@ -273,7 +289,8 @@ async def bench(args: argparse.Namespace, server_pid: int | None) -> dict:
             "never_underrun": fraction(stats.smooth),
             f"never_underrun_behind_{round(PREBUFFER_S * 1000)}ms": fraction(stats.smooth_prebuffered),
             "context_phases_ms": {name: percentiles(values, 1000.0) for name, values in stats.phases.items()},
-            "errors": dict(stats.errors), "server_cpu": cpu_report(server_pid, cpu_first, cpu_last, stats.audio_s)}
+            "errors": dict(stats.errors), "stuck_sessions": len(stats.stuck), "stuck": stats.stuck[:10],
+            "server_cpu": cpu_report(server_pid, cpu_first, cpu_last, stats.audio_s)}
 
 
 def fraction(flags: list[bool]) -> float | None:
@@ -600,6 +617,9 @@ def main() -> None:
                         help="closed loop: client processes the sessions are spread over (one reads ~64 at most)")
     parser.add_argument("--duration", type=float, default=30.0,
                         help="seconds during which new contexts (closed) or requests (open) start")
+    parser.add_argument("--drain-s", type=float, default=60.0,
+                        help="closed loop: how long after --duration sessions may take to finish their last context "
+                             "and close; those still running then are cancelled and reported as stuck")
     parser.add_argument("--token-rate", type=token_rate, default=(20.0, 80.0),
                         help="LLM text rate in tokens/s, a range LOW-HIGH drawn per answer")
     parser.add_argument("--encoding", default="opus", choices=["opus", "pcm_s16le", "mulaw"])

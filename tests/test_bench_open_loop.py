@@ -8,6 +8,7 @@ import math
 import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -191,3 +192,20 @@ def test_a_prebuffer_absorbs_a_gap_shorter_than_itself_and_not_a_longer_one():
     assert playback(late).gaps == pytest.approx((0.05,))
     assert playback(late, prebuffer_s=0.1).gaps == ()
     assert playback([(0.0, 0.08), (0.30, 0.08)], prebuffer_s=0.1).gaps == pytest.approx((0.12,))
+
+
+def test_sessions_still_running_after_the_drain_are_reported_as_stuck_not_waited_for(tmp_path):
+    """A session that has not finished `--drain-s` after `--duration` (here: its first context's text is still being
+    paced) is cancelled and reported with what it was doing, so that a hang shows in the report instead of none."""
+    with server_process(["--synthetic-frames-per-token", "2"], tmp_path / "server.log") as server:
+        started = time.monotonic()
+        run = subprocess.run(
+            [sys.executable, "scripts/bench_gateway.py", "--url", server.ws, "--sessions", "2", "--duration", "0.2",
+             "--drain-s", "0.3", "--token-rate", "2-3", "--encoding", "pcm_s16le"], cwd=ROOT, capture_output=True,
+            text=True, timeout=600)
+        elapsed = time.monotonic() - started
+        server.assert_alive()
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["stuck_sessions"] == 2 and elapsed < 60
+    assert all(s["doing"].startswith("speaking s") and s["for_s"] >= 0 for s in report["stuck"]), report["stuck"]
