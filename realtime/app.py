@@ -83,7 +83,7 @@ def create_app(gateway: Gateway) -> Starlette:
         return await _http(request, gateway, auth, handle)
 
     async def speech(request: Request) -> Response:
-        delivery = Delivery(gateway.metrics.http, arrived=time.monotonic())
+        delivery = Delivery(gateway.metrics.http, gateway.metrics.http_requests, arrived=time.monotonic())
 
         async def handle() -> Response:
             spoken = parse_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
@@ -92,7 +92,8 @@ def create_app(gateway: Gateway) -> Starlette:
             return await speech_response(spoken, start_speech(spoken, gateway), delivery,
                                          lambda: _client_gone(request))
         response = await _http(request, gateway, auth, handle)
-        gateway.metrics.http_requests.labels(status=str(response.status_code)).inc()
+        if not delivery.streamed:
+            delivery.count(response.status_code)
         return response
 
     async def library_voices(request: Request) -> Response:

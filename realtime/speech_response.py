@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
+from prometheus_client import Counter
 from starlette.responses import Response, StreamingResponse
 
 from realtime.audio.containers import ContainerBody, PcmBody, body_encoder
@@ -25,7 +26,7 @@ from realtime.speech_http import SpeechRequest
 log = logging.getLogger("voxgate")
 
 Encoded = AsyncIterator[tuple[bytes, int]]  # (bytes ready to send, samples that went in for them)
-CLIENT_GONE = 499  # the status logged for a whole body whose client left before it was made (nginx's)
+CLIENT_GONE = 499  # the status counted for a body whose client left before it was all made and sent (nginx's)
 SAMPLES_PER_FRAME = MODEL_SAMPLE_RATE * 2 // 25  # one 12.5 Hz codec frame (1920): the audio token `usage` counts
 
 
@@ -33,7 +34,9 @@ SAMPLES_PER_FRAME = MODEL_SAMPLE_RATE * 2 // 25  # one 12.5 Hz codec frame (1920
 class Delivery:
     """What one response sent, for the metrics and OpenAI's `usage`."""
     metrics: TransportMetrics
+    statuses: Counter  # the requests by the status they ended with (a `status` label)
     arrived: float  # time.monotonic() when the request reached the handler
+    streamed: bool = False  # its status is counted once its body has ended (`_counted`), not when it starts
     first_audio_sent: bool = False
     input_tokens: int = 0  # the text's tokens (set for SSE, whose last event reports usage)
     samples: int = 0  # model-rate samples sent so far
@@ -54,6 +57,9 @@ class Delivery:
     def failed(self, failure: HTTPFailure) -> None:
         self.metrics.error(failure.code)
 
+    def count(self, status: int) -> None:
+        self.statuses.labels(status=str(status)).inc()
+
 
 async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarray], delivery: Delivery,
                           disconnected: Callable[[], Awaitable[object]]) -> Response:
@@ -71,10 +77,11 @@ async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarra
                         headers={**headers, "X-Audio-Samples": str(encoder.samples)})
     first = await anext(chunks, None)
     pieces = _encoded(_prepend(first, chunks), encoder)
+    delivery.streamed = True
     if spoken.sse:
-        return StreamingResponse(_sse_body(pieces, delivery), media_type="text/event-stream")
-    return StreamingResponse(_audio_body(pieces, delivery), media_type=CONTENT_TYPES[spoken.response_format],
-                             headers=headers)
+        return StreamingResponse(_counted(_sse_body(pieces, delivery), delivery), media_type="text/event-stream")
+    return StreamingResponse(_counted(_audio_body(pieces, delivery), delivery),
+                             media_type=CONTENT_TYPES[spoken.response_format], headers=headers)
 
 
 async def _whole(pieces: Encoded, disconnected: Callable[[], Awaitable[object]]) -> bytes | None:
@@ -115,6 +122,19 @@ async def _encoded(chunks: AsyncIterator[np.ndarray], encoder: PcmBody | Contain
 
 async def _run(encoder: PcmBody | ContainerBody, call: Callable[..., bytes], *args: object) -> bytes:
     return await asyncio.to_thread(call, *args) if encoder.off_loop else call(*args)
+
+
+async def _counted(body: AsyncIterator[bytes], delivery: Delivery) -> AsyncIterator[bytes]:
+    """A streamed body's status, counted once it has ended: 200, or 499 (client gone) when the client left before
+    its end (the body is cancelled or closed mid-way), as a whole body whose client left is counted."""
+    status = CLIENT_GONE
+    try:
+        async with contextlib.aclosing(body):
+            async for data in body:
+                yield data
+        status = 200
+    finally:
+        delivery.count(status)
 
 
 async def _audio_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[bytes]:

@@ -225,7 +225,7 @@ def test_metrics_negotiate_openmetrics(server, accept, openmetrics):
 def test_a_client_that_leaves_frees_the_engine_at_once(server, response_format, stream):
     """A client that sends its request and closes the connection before any audio: its engine request ends within a
     second, streamed or whole (left to run, this one takes many seconds on the CPU); a whole body is not made for
-    nobody (counted as 499, client gone)."""
+    nobody; either way the request is counted as 499 (client gone), not as the 200 nobody got."""
     body = json.dumps({"input": "word " * 78, "response_format": response_format, "stream": stream}).encode()
     gone = metric(server, "voxgate_http_speech_requests_total", status="499")
     handled = sum(v for (name, _), v in metric_samples(server)[1].items()
@@ -243,7 +243,29 @@ def test_a_client_that_leaves_frees_the_engine_at_once(server, response_format, 
     while metric(server, "voxgate_engine_requests_active") > 0:
         assert time.monotonic() < freed_by, "the engine request outlived its client"
         time.sleep(0.05)
-    assert stream or metric(server, "voxgate_http_speech_requests_total", status="499") == gone + 1
+    assert metric(server, "voxgate_http_speech_requests_total", status="499") == gone + 1
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+def test_a_streamed_request_counts_200_once_sent_and_499_when_its_client_left_mid_way(server, stream_format):
+    """A streamed response's status is counted when its body ends: 200 read to the end, 499 (client gone) for a
+    client that read the first bytes and left, although its 200 status line had gone out."""
+    body = {"input": "word " * 60, "response_format": "pcm", "stream": True, "stream_format": stream_format}
+
+    def counts() -> tuple[float, float]:
+        return tuple(metric(server, "voxgate_http_speech_requests_total", status=s) for s in ("200", "499"))
+
+    ok, gone = counts()
+    status, _, payload = server.post("/v1/audio/speech", {**body, "input": "Hello there."})
+    assert status == 200 and payload and counts() == (ok + 1, gone)
+    request = urllib.request.Request(server.http + "/v1/audio/speech", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200 and response.read(64)
+    deadline = time.monotonic() + 10
+    while counts() != (ok + 1, gone + 1):
+        assert time.monotonic() < deadline, counts()
+        time.sleep(0.05)
 
 
 def test_unknown_routes_and_methods_get_the_apis_json_errors(server):
