@@ -24,7 +24,7 @@ from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway
 from realtime.lexicons_http import delete_lexicon, list_lexicons, show_lexicon, store_lexicon
 from realtime.speech_http import parse_speech_request, start_speech
-from realtime.speech_response import Delivery, speech_response
+from realtime.speech_response import CountedStream, Delivery, speech_response
 from realtime.voice_library import read_upload
 from realtime.ws.protocol import (
     CLOSE_OVERLOADED,
@@ -92,7 +92,7 @@ def create_app(gateway: Gateway) -> Starlette:
             return await speech_response(spoken, start_speech(spoken, gateway), delivery,
                                          lambda: _client_gone(request))
         response = await _http(request, gateway, auth, handle)
-        if not delivery.streamed:
+        if not isinstance(response, CountedStream):  # counts itself once it has ended
             delivery.count(response.status_code)
         return response
 

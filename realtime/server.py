@@ -38,11 +38,15 @@ class SharedDrainWebSocketProtocol(WebSocketProtocol):
     one waiter and asserts there is no other, but a client that reads slowly makes two writers wait together: the
     session's send of audio and the pong that answers the client's ping (or a keepalive ping, or a close frame).
     The assertion then failed the connection with 1011, ahead of the slow-consumer policy's error and 1008. Here
-    every waiter waits its turn, as asyncio's own streams do."""
+    every waiter waits its turn, as asyncio's own streams do.
+
+    And a session ends as soon as nothing more can arrive on its socket (`ensure_open`), while the connection stays
+    until the protocol has closed it (`_app_then_close`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._drain_waiters: deque[asyncio.Future[None]] = deque()
         super().__init__(*args, **kwargs)
+        self._session_app, self.app = self.app, self._app_then_close
 
     async def _drain_helper(self) -> None:
         if self.connection_lost_waiter.done():
@@ -76,11 +80,19 @@ class SharedDrainWebSocketProtocol(WebSocketProtocol):
         """Once nothing more can be received (the peer's close frame arrived, or the protocol failed the connection:
         a message over the size limit, a ping unanswered), say so at once. The legacy protocol waits for the TCP close
         first, up to its 10 s close timeout, so a peer that kept its socket open after a close held a session open
-        (and a place under `max_sessions`) that long. The TCP close still completes, or times out, in the background.
-        """
-        if self.state is not State.CONNECTING and self.transfer_data_task.done():
+        (and a place under `max_sessions`) that long. The app then hears close code 1005 (the peer's code is known
+        only once the TCP close is done); nothing in the gateway reads it."""
+        if self.state in (State.OPEN, State.CLOSING) and self.transfer_data_task.done():
             raise self.connection_closed_exc()
         await super().ensure_open()
+
+    async def _app_then_close(self, scope: Any, receive: Any, send: Any) -> None:
+        """The session, then, where it ended because nothing more could arrive (`ensure_open`), the protocol's own
+        close of the connection (its close timeout bounds it) before uvicorn closes the transport: closed at once,
+        a peer still sending a message over the size limit got a reset instead of the 1009 close frame on its way."""
+        await self._session_app(scope, receive, send)
+        if self.state in (State.OPEN, State.CLOSING) and self.transfer_data_task.done():
+            await asyncio.shield(self.close_connection_task)
 
 
 PING_INTERVAL_S = 20.0

@@ -12,10 +12,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from prometheus_client import Counter
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from realtime.audio.containers import ContainerBody, PcmBody, body_encoder
 from realtime.audio.formats import CONTENT_TYPES, MODEL_SAMPLE_RATE
@@ -34,9 +37,8 @@ SAMPLES_PER_FRAME = MODEL_SAMPLE_RATE * 2 // 25  # one 12.5 Hz codec frame (1920
 class Delivery:
     """What one response sent, for the metrics and OpenAI's `usage`."""
     metrics: TransportMetrics
-    statuses: Counter  # the requests by the status they ended with (a `status` label)
+    statuses: Counter  # the requests by their status (a `status` label); a streamed one's once it has ended
     arrived: float  # time.monotonic() when the request reached the handler
-    streamed: bool = False  # its status is counted once its body has ended (`_counted`), not when it starts
     first_audio_sent: bool = False
     input_tokens: int = 0  # the text's tokens (set for SSE, whose last event reports usage)
     samples: int = 0  # model-rate samples sent so far
@@ -77,11 +79,39 @@ async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarra
                         headers={**headers, "X-Audio-Samples": str(encoder.samples)})
     first = await anext(chunks, None)
     pieces = _encoded(_prepend(first, chunks), encoder)
-    delivery.streamed = True
     if spoken.sse:
-        return StreamingResponse(_counted(_sse_body(pieces, delivery), delivery), media_type="text/event-stream")
-    return StreamingResponse(_counted(_audio_body(pieces, delivery), delivery),
-                             media_type=CONTENT_TYPES[spoken.response_format], headers=headers)
+        return CountedStream(_sse_body(pieces, delivery), delivery, media_type="text/event-stream")
+    return CountedStream(_audio_body(pieces, delivery), delivery, media_type=CONTENT_TYPES[spoken.response_format],
+                         headers=headers)
+
+
+class CountedStream(StreamingResponse):
+    """A streamed body whose status is counted once the response has ended: 200 when the body went out to its end,
+    499 (client gone) when the client left first, 500 when making it raised. (Counted as it started, a stream its
+    client left was a 200 nobody got.) A body that ended early with an error it could still report (an
+    `HTTPFailure` after the first audio) went out with its 200: its error is counted by code."""
+
+    def __init__(self, body: AsyncIterator[bytes], delivery: Delivery, **options: Any) -> None:
+        super().__init__(self._to_the_end(body), **options)
+        self.delivery = delivery
+        self.sent_to_the_end = False
+
+    async def _to_the_end(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(body):
+            async for data in body:
+                yield data
+        self.sent_to_the_end = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status = 500
+        try:
+            await super().__call__(scope, receive, send)
+            status = 200 if self.sent_to_the_end else CLIENT_GONE  # the client left: the body was cancelled
+        except (ClientDisconnect, OSError, asyncio.CancelledError):
+            status = CLIENT_GONE
+            raise
+        finally:
+            self.delivery.count(status)
 
 
 async def _whole(pieces: Encoded, disconnected: Callable[[], Awaitable[object]]) -> bytes | None:
@@ -122,19 +152,6 @@ async def _encoded(chunks: AsyncIterator[np.ndarray], encoder: PcmBody | Contain
 
 async def _run(encoder: PcmBody | ContainerBody, call: Callable[..., bytes], *args: object) -> bytes:
     return await asyncio.to_thread(call, *args) if encoder.off_loop else call(*args)
-
-
-async def _counted(body: AsyncIterator[bytes], delivery: Delivery) -> AsyncIterator[bytes]:
-    """A streamed body's status, counted once it has ended: 200, or 499 (client gone) when the client left before
-    its end (the body is cancelled or closed mid-way), as a whole body whose client left is counted."""
-    status = CLIENT_GONE
-    try:
-        async with contextlib.aclosing(body):
-            async for data in body:
-                yield data
-        status = 200
-    finally:
-        delivery.count(status)
 
 
 async def _audio_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[bytes]:

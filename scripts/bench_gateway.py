@@ -246,6 +246,8 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | No
 async def run_sessions(args: argparse.Namespace, indices: range) -> tuple[Stats, float]:
     """These sessions for --duration from now: their stats and the wall time they took."""
     stats, doing = Stats(), {}
+    if not indices:  # more client processes than sessions: this one has none
+        return stats, 0.0
     started = time.monotonic()
     deadline = started + args.duration
     tasks = {asyncio.create_task(run_session(i, args, deadline, stats, doing)): i for i in indices}

@@ -142,7 +142,7 @@ def main() -> None:
     for frame_path in args.frame_paths.split(","):
         for batch in args.batches:
             engine = running_engine(tts, batch, frame_path)
-            batch_rows = engine.runner.batch(list(engine.running.values()))
+            batch_rows = engine.runner.batch(list(engine.running.values())).to(engine.runner.device)
             result = dict(frame_path=frame_path, batch=batch, graph_step_ms=graph_time(engine),
                           **kernel_table(lambda: engine.runner.step(batch_rows), 3))
             print(json.dumps(result), flush=True)

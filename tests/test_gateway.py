@@ -19,6 +19,7 @@ from websockets.exceptions import ConnectionClosed
 
 from realtime.audio.mulaw import mulaw_decode
 from realtime.gateway import Limits
+from realtime.ws.protocol import MAX_INTEGER_DIGITS
 from tests.gateway_server import running_server
 
 TEXT_PIECES = ["Hel", "lo the", "re, how ", "are you", " today?"]
@@ -308,17 +309,32 @@ def test_bad_messages_get_their_error_and_the_session_goes_on(server, raw, code)
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(["sample_rate", "frame_ms", "bitrate"]),
-       number=st.integers(10**6, 10**20) | st.floats(1e6, 1e308).map(float.__floor__).map(float)
-       | st.integers(-10**20, -1))
+       number=st.integers(10**6, 10**MAX_INTEGER_DIGITS - 1) | st.floats(1e6, 1e308).map(float.__floor__).map(float)
+       | st.integers(-10**MAX_INTEGER_DIGITS + 1, -1))
 def test_a_number_out_of_every_range_is_refused_in_a_short_message(server, field, number):
     """An audio field of 1e308 (an integral float, so an integer to the protocol) is refused as unsupported and the
-    error shows it short: an error message never echoes hundreds of digits back."""
+    error shows it short: an error message never echoes hundreds of digits back. (An integer written with more than
+    MAX_INTEGER_DIGITS digits is refused by the parser, as `invalid_message`: the next test.)"""
     async def go():
         conn = await session(server)
         await conn.ws.send(json.dumps({"type": "session.start", "audio": {"encoding": "opus", field: number}}))
         error = (await conn.until(lambda e: e["type"] == "error"))[-1]
         assert error["code"] == "unsupported_format" and field in error["message"], error
         assert len(error["message"]) < 120, error
+        await conn.ws.close()
+    run(go())
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(digits=st.integers(MAX_INTEGER_DIGITS + 1, 3000), negative=st.booleans())  # the server takes 4 KB
+def test_an_integer_longer_than_any_field_takes_is_refused_by_the_parser(server, digits, negative):
+    async def go():
+        conn = await session(server)
+        number = ("-" if negative else "") + "9" * digits
+        await conn.ws.send('{"type": "session.start", "audio": {"encoding": "opus", "bitrate": %s}}' % number)
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "invalid_message" and f"{digits + negative} digits" in error["message"], error
+        assert len(error["message"]) < 120 and error["fatal"] is False, error
         await conn.ws.close()
     run(go())
 

@@ -103,11 +103,10 @@ class RawClient:
                 self.sock.sendall(data)
 
     def read(self, until) -> None:
-        """Reads (answering what the protocol answers) until `until(protocol)` holds or the server closes TCP."""
+        """Reads (answering what the protocol answers) until `until(protocol)` holds."""
         while not until(self.protocol):
             data = self.sock.recv(65536)
-            if not data:
-                return
+            assert data, "the server closed the connection before what the test waits for"
             self.protocol.receive_data(data)
             self.protocol.events_received()
             self.flush()

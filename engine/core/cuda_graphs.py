@@ -35,47 +35,46 @@ class StagedInputs:
 
     @torch.inference_mode(False)  # normal tensors: steps write them, in inference mode or not
     def __init__(self, template: StepBatch, device: torch.device) -> None:
-        """`template`: the initial values, on the host."""
+        """`template`: the initial values, on the host (the padding rows)."""
         tensors = template.tensors()
-        size = tensors[0].shape[0]
-        dtypes = list(dict.fromkeys(t.dtype for t in tensors))
-        counts = {d: sum(t.dtype == d for t in tensors) for d in dtypes}
-        pinned = device.type == "cuda"
-        self.device_rows = {d: torch.empty(counts[d], size, dtype=d, device=device) for d in dtypes}
-        self.host_rows = {d: torch.empty(counts[d], size, dtype=d, pin_memory=pinned) for d in dtypes}
-        where, taken = [], dict.fromkeys(dtypes, 0)  # each tensor's matrix and row
+        where, rows = [], {}  # each tensor's matrix and row; rows per dtype
         for tensor in tensors:
-            where.append((tensor.dtype, taken[tensor.dtype]))
-            taken[tensor.dtype] += 1
+            where.append((tensor.dtype, rows.get(tensor.dtype, 0)))
+            rows[tensor.dtype] = where[-1][1] + 1
+        size, pinned = tensors[0].shape[0], device.type == "cuda"
+        self.device_rows = {d: torch.empty(n, size, dtype=d, device=device) for d, n in rows.items()}
+        self.host_rows = {d: torch.empty(n, size, dtype=d, pin_memory=pinned) for d, n in rows.items()}
         self.static = StepBatch.of_tensors([self.device_rows[d][i] for d, i in where])
-        self.host = StepBatch.of_tensors([self.host_rows[d][i] for d, i in where])
-        for target, value in zip(self.host.tensors(), tensors):
+        self._host = [self.host_rows[d][i] for d, i in where]
+        self._padding = tensors
+        for target, value in zip(self._host, tensors):
             target.copy_(value)
-        self._uploaded = torch.cuda.Event() if pinned else None  # the host rows may be rewritten once it fired
+        self.device = device
+        self._uploaded = torch.cuda.Event() if pinned else None  # fires once the last upload has read the host rows
         self.upload()
 
-    def fill(self, batch: StepBatch, padding: StepBatch) -> None:
-        """`batch`'s rows first, the rest from `padding` (on the host); waits for the last upload to have read the
-        host rows (it has, unless the step before was not waited for: a retried batch)."""
+    def fill(self, batch: StepBatch) -> None:
+        """`batch`'s rows first, padding rows after them, on the host. Waits for the last upload to have read the
+        host rows: it has, unless the step before was never waited for (a caller that runs steps without reading
+        their codes)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
         rows = batch.slots.shape[0]
-        for target, source, pad in zip(self.host.tensors(), batch.tensors(), padding.tensors()):
+        for target, source, pad in zip(self._host, batch.tensors(), self._padding):
             target[:rows].copy_(source)
             target[rows:].copy_(pad[rows:])
 
     def upload(self) -> None:
-        """The host rows to the device, queued on the current stream, not waited for."""
+        """The host rows to the device, queued on the device's current stream, not waited for."""
         for dtype, rows in self.host_rows.items():
             self.device_rows[dtype].copy_(rows, non_blocking=True)
         if self._uploaded is not None:
-            self._uploaded.record()
+            self._uploaded.record(torch.cuda.current_stream(self.device))  # the copies' stream, whatever the device
 
 
 class _Bucket:
-    def __init__(self, inputs: StagedInputs, padding: StepBatch) -> None:
-        self.inputs, self.padding = inputs, padding  # padding: on the host
-        self.static = inputs.static
+    def __init__(self, inputs: StagedInputs) -> None:
+        self.inputs = inputs
         self.sample: torch.cuda.CUDAGraph | None = None
         self.advance: torch.cuda.CUDAGraph | None = None
         self.codes: torch.Tensor | None = None  # the sample graph's output, which the advance graph reads
@@ -89,8 +88,7 @@ class PaddedStep:
         self.runner = runner
         self.pad_text_id = pad_text_id
         sizes = sorted(b for b in buckets if b <= runner.cache.shape.slots) or [1]
-        self.buckets = {size: _Bucket(StagedInputs(self._padding_batch(size), runner.device), self._padding_batch(size))
-                        for size in sizes}
+        self.buckets = {size: _Bucket(StagedInputs(self._padding_batch(size), runner.device)) for size in sizes}
         if capture:
             self._capture()
 
@@ -116,13 +114,13 @@ class PaddedStep:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 for _ in range(2):
-                    self.runner.step(bucket.static)
+                    self.runner.step(bucket.inputs.static)
             torch.cuda.current_stream().wait_stream(self.stream)
             bucket.sample, bucket.advance = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(bucket.sample, stream=self.stream):
-                bucket.codes = self.runner.sample(bucket.static)
+                bucket.codes = self.runner.sample(bucket.inputs.static)
             with torch.cuda.graph(bucket.advance, stream=self.stream):
-                self.runner.advance(bucket.static, bucket.codes)
+                self.runner.advance(bucket.inputs.static, bucket.codes)
             with torch.inference_mode(False):  # a normal tensor: each step copies into it outside inference mode
                 bucket.host_codes = torch.empty(bucket.codes.shape, dtype=bucket.codes.dtype, pin_memory=True)
             bucket.ready = torch.cuda.Event()
@@ -135,10 +133,10 @@ class PaddedStep:
         if size is None:
             return self.runner.eager_step(batch)
         bucket = self.buckets[size]
-        bucket.inputs.fill(batch, bucket.padding)
+        bucket.inputs.fill(batch)
         bucket.inputs.upload()
         if bucket.sample is None:
-            return StepCodes(self.runner.step(bucket.static)[:rows])
+            return StepCodes(self.runner.step(bucket.inputs.static)[:rows])
         bucket.sample.replay()
         bucket.host_codes.copy_(bucket.codes, non_blocking=True)
         bucket.ready.record()

@@ -28,6 +28,7 @@ class StepBatch:
 
     @classmethod
     def of_tensors(cls, tensors: list[torch.Tensor]) -> StepBatch:
+        """The batch whose `tensors()` are these."""
         slots, positions, frame_index, text_ids, *rest = tensors
         sampler_fields = len(fields(SamplerBatch))
         talker, code_predictor = rest[:sampler_fields], rest[sampler_fields:2 * sampler_fields]
