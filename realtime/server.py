@@ -76,13 +76,18 @@ class SharedDrainWebSocketProtocol(WebSocketProtocol):
                 else:
                     waiter.set_exception(exc)
 
+    @property
+    def _receiving_ended(self) -> bool:
+        """The opening handshake completed and nothing more can arrive (the data transfer task has ended)."""
+        return self.state in (State.OPEN, State.CLOSING) and self.transfer_data_task.done()
+
     async def ensure_open(self) -> None:
         """Once nothing more can be received (the peer's close frame arrived, or the protocol failed the connection:
         a message over the size limit, a ping unanswered), say so at once. The legacy protocol waits for the TCP close
         first, up to its 10 s close timeout, so a peer that kept its socket open after a close held a session open
         (and a place under `max_sessions`) that long. The app then hears close code 1005 (the peer's code is known
         only once the TCP close is done); nothing in the gateway reads it."""
-        if self.state in (State.OPEN, State.CLOSING) and self.transfer_data_task.done():
+        if self._receiving_ended:
             raise self.connection_closed_exc()
         await super().ensure_open()
 
@@ -91,7 +96,7 @@ class SharedDrainWebSocketProtocol(WebSocketProtocol):
         close of the connection (its close timeout bounds it) before uvicorn closes the transport: closed at once,
         a peer still sending a message over the size limit got a reset instead of the 1009 close frame on its way."""
         await self._session_app(scope, receive, send)
-        if self.state in (State.OPEN, State.CLOSING) and self.transfer_data_task.done():
+        if self._receiving_ended:
             await asyncio.shield(self.close_connection_task)
 
 
