@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import TransformerConfig
+from engine.kernels.few_rows_linear import few_rows_linear
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
 from engine.kernels.snake import snake_padded
@@ -127,3 +128,57 @@ def test_snake_padded_reads_a_time_slice_of_a_wider_tensor():
     past = torch.randn(2, 5, 4, generator=generator)
     torch.testing.assert_close(snake_padded(x, snake.alpha, snake.beta, past, 4),
                                torch.cat((past, snake(x)), dim=-1), **tolerance(torch.float32))
+
+
+def _random_linear(features: int, width: int, bias: bool, dtype: torch.dtype, seed: int) -> torch.nn.Linear:
+    generator = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(width, features, bias=bias)
+    linear.weight.data = torch.randn(features, width, generator=generator) / width ** 0.5
+    if bias:
+        linear.bias.data = torch.randn(features, generator=generator)
+    return linear.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, features, width, bias, rows_per_program", [
+    (1, 48, 96, False, 16), (5, 40, 200, True, 16), (17, 16, 64, False, 16), (1, 40, 96, True, 1),
+    (5, 24, 72, False, 4)])
+def test_few_rows_linear_with_a_norm_before_it_is_rms_norm_then_linear(dtype, rows, features, width, bias,
+                                                                      rows_per_program):
+    """Ragged features and widths (not multiples of the blocks), more rows than one program takes, a bias; tl.dot
+    (16 rows a program) and lane sums (fewer)."""
+    linear = _random_linear(features, width, bias, dtype, seed=rows)
+    norm = RMSNorm(width, 1e-6)
+    norm.weight.data = torch.randn(width, generator=torch.Generator().manual_seed(9))
+    norm = norm.to(dtype)
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(10)) * 3).to(dtype)
+    blocks = dict(block_n=16, block_k=32, rows_per_program=rows_per_program)
+    fused = few_rows_linear(x, linear.weight, linear.bias, norm=norm.weight, eps=1e-6, **blocks)
+    torch.testing.assert_close(fused, linear(norm(x)), **tolerance(dtype))
+    torch.testing.assert_close(few_rows_linear(x, linear.weight, linear.bias, **blocks), linear(x),
+                               **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_few_rows_linear_after_swiglu_adds_into_the_residual(dtype):
+    rows, features, width = 3, 40, 72
+    linear = _random_linear(features, width, False, dtype, seed=4)
+    gate_up = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(5)).to(dtype)
+    residual = torch.randn(rows, features, generator=torch.Generator().manual_seed(6)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = residual + linear(F.silu(gate) * up)
+    stream = residual.clone()
+    returned = few_rows_linear(gate_up, linear.weight, swiglu=True, residual=stream, block_k=32)
+    assert returned is stream
+    torch.testing.assert_close(stream, expected, **tolerance(dtype))
+
+
+def test_few_rows_linear_gives_a_row_the_same_bits_alone_and_in_a_batch():
+    """The seed guarantee: each row is its own fixed-order reduction, whatever the other rows are."""
+    linear = _random_linear(24, 80, True, torch.float32, seed=7)
+    norm_weight = torch.randn(80, generator=torch.Generator().manual_seed(8))
+    batch = torch.randn(11, 80, generator=torch.Generator().manual_seed(9))
+    together = few_rows_linear(batch, linear.weight, linear.bias, norm=norm_weight, block_k=32)
+    for row in (0, 6, 10):
+        alone = few_rows_linear(batch[row:row + 1].clone(), linear.weight, linear.bias, norm=norm_weight, block_k=32)
+        assert torch.equal(alone[0], together[row])

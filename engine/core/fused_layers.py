@@ -3,7 +3,8 @@ projections and fused Triton kernels over a slot cache.
 
 Per block: RMSNorm (fused with the previous residual add), one QKV matmul, one kernel for q/k norm + RoPE + the
 cache write, varlen attention, the output matmul, add + RMSNorm, one gate/up matmul, SwiGLU, the down matmul:
-9 launches instead of ~45. The merged weights are the module's own storage (its q/k/v and gate/up parameters
+9 launches instead of ~45. A batch of one row takes `few_rows_linear` instead, which folds the norms, SwiGLU and
+residual adds into its matmuls: 6 launches. The merged weights are the module's own storage (its q/k/v and gate/up parameters
 become views into them), so the simple path keeps working on the same memory.
 """
 from __future__ import annotations
@@ -13,8 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.attention import varlen_attention
+from engine.kernels.few_rows_linear import few_rows_linear
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.model.layers import TransformerBlock, TransformerStack
+
+# few_rows_linear's blocks for one row: the fastest of a sweep on the H100 (`scripts/bench_linear.py`)
+ONE_ROW = dict(block_n=8, block_k=512, warps=4, stages=2, rows_per_program=1)
 
 
 def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -57,17 +62,42 @@ class FusedLayers:
         Several rows may share a slot (a prefill): every row's key is stored before any row attends, and each row
         sees its slot's positions up to its own."""
         lengths = positions + 1
+        if x.shape[0] == 1:
+            return self._one_row(x, positions, slots, lengths, k_cache, v_cache)
         norms = [merged.layer.input_layernorm.weight for merged in self.layers[1:]] + [self.stack.norm.weight]
         normed = add_rms_norm(x, None, self.layers[0].layer.input_layernorm.weight, self.eps)
         for index, (merged, next_norm) in enumerate(zip(self.layers, norms)):
             layer = merged.layer
-            attention = layer.self_attn
-            queries = qk_norm_rope_store(F.linear(normed, merged.qkv, merged.qkv_bias), attention.q_norm.weight,
-                                         attention.k_norm.weight, self.inv_freq, positions, slots, k_cache[index],
-                                         v_cache[index], self.q_heads, self.eps)
-            attended = varlen_attention(queries, k_cache[index], v_cache[index], slots, lengths)
-            normed = add_rms_norm(x, attention.o_proj(attended.view(x.shape[0], -1)),
-                                  layer.post_attention_layernorm.weight, self.eps)
+            attended = self._attend(index, F.linear(normed, merged.qkv, merged.qkv_bias), positions, slots, lengths,
+                                    k_cache, v_cache)
+            normed = add_rms_norm(x, layer.self_attn.o_proj(attended), layer.post_attention_layernorm.weight,
+                                  self.eps)
             normed = add_rms_norm(x, layer.mlp.down_proj(silu_mul(F.linear(normed, merged.gate_up))), next_norm,
                                   self.eps)
         return normed
+
+    def _one_row(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """A lone request's token (batch 1: a request's first step, the code predictor's sub-steps at low load): the
+        norms, SwiGLU and residual adds fused into the matmuls (`few_rows_linear`), 6 launches a block instead of 9
+        and ~17% less time in the predictor's blocks (docs/benchmarks.md)."""
+        for index, merged in enumerate(self.layers):
+            layer = merged.layer
+            qkv = few_rows_linear(x, merged.qkv, merged.qkv_bias, norm=layer.input_layernorm.weight, eps=self.eps,
+                                  **ONE_ROW)
+            attended = self._attend(index, qkv, positions, slots, lengths, k_cache, v_cache)
+            o_proj = layer.self_attn.o_proj
+            few_rows_linear(attended, o_proj.weight, o_proj.bias, residual=x, **ONE_ROW)
+            gate_up = few_rows_linear(x, merged.gate_up, norm=layer.post_attention_layernorm.weight, eps=self.eps,
+                                      **ONE_ROW)
+            down = layer.mlp.down_proj
+            few_rows_linear(gate_up, down.weight, down.bias, swiglu=True, residual=x, **ONE_ROW)
+        return add_rms_norm(x, None, self.stack.norm.weight, self.eps)
+
+    def _attend(self, index: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                lengths: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Layer `index`'s attention from its merged q/k/v projection [N, (Hq + 2 Hkv) * D] -> [N, Hq * D]."""
+        attention = self.layers[index].layer.self_attn
+        queries = qk_norm_rope_store(qkv, attention.q_norm.weight, attention.k_norm.weight, self.inv_freq, positions,
+                                     slots, k_cache[index], v_cache[index], self.q_heads, self.eps)
+        return varlen_attention(queries, k_cache[index], v_cache[index], slots, lengths).view(qkv.shape[0], -1)
