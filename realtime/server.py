@@ -29,6 +29,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="The `websockets` implementation is deprecated")
     warnings.filterwarnings("ignore", message="websockets.legacy is deprecated")
     from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
+    from websockets.frames import DATA_OPCODES, Frame, Opcode
     from websockets.protocol import State
 
 
@@ -40,13 +41,35 @@ class SharedDrainWebSocketProtocol(WebSocketProtocol):
     The assertion then failed the connection with 1011, ahead of the slow-consumer policy's error and 1008. Here
     every waiter waits its turn, as asyncio's own streams do.
 
-    And a session ends as soon as nothing more can arrive on its socket (`ensure_open`), while the connection stays
-    until the protocol has closed it (`_app_then_close`)."""
+    A session ends as soon as nothing more can arrive on its socket (`ensure_open`), while the connection stays
+    until the protocol has closed it (`_app_then_close`).
+
+    And the messages written in one turn of the event loop leave in one socket write (`write_frame_sync`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._drain_waiters: deque[asyncio.Future[None]] = deque()
+        self._held: list[bytes] = []
         super().__init__(*args, **kwargs)
         self._session_app, self.app = self.app, self._app_then_close
+
+    def write_frame_sync(self, fin: bool, opcode: int, data: Any) -> None:
+        """A chunk of audio is several 20 ms packets, each its own message, sent one after another without the
+        sender yielding: a system call and a TCP segment each was the larger part of the gateway's cost per message
+        (docs/benchmarks.md). Data frames are therefore held until the end of the loop's turn and written together,
+        in order; a control frame (close, ping, pong) writes what is held, then itself, at once."""
+        frame = Frame(Opcode(opcode), data, fin).serialize(mask=self.is_client, extensions=self.extensions)
+        if opcode in DATA_OPCODES:
+            if not self._held:
+                self.loop.call_soon(self._write_held)
+            self._held.append(frame)
+            return
+        self._write_held()
+        self.transport.write(frame)
+
+    def _write_held(self) -> None:
+        held, self._held = self._held, []
+        if held and not self.transport.is_closing():
+            self.transport.write(b"".join(held))
 
     async def _drain_helper(self) -> None:
         if self.connection_lost_waiter.done():

@@ -4,7 +4,7 @@ by a websockets client in another process. An Opus stream at 20 ms frames is 50 
 the gateway's one event loop, so this says how far the gateway's own per-message work (framing, the outbox, the
 metrics, the engine and encoder pipes) is above what the web stack alone costs (docs/benchmarks.md).
     python scripts/bench_ws_send.py
-    python scripts/bench_ws_send.py --messages 500 --bytes 68
+    python scripts/bench_ws_send.py --messages 500 --bytes 68 --burst 16
 """
 from __future__ import annotations
 
@@ -25,13 +25,15 @@ from websockets.exceptions import ConnectionClosed
 from realtime.server import SharedDrainWebSocketProtocol
 
 
-def sender_app(messages: int, payload: bytes, result: dict[str, float]) -> Starlette:
+def sender_app(messages: int, payload: bytes, burst: int, result: dict[str, float]) -> Starlette:
     async def endpoint(websocket: WebSocket) -> None:
         await websocket.accept()
         await websocket.receive()  # the client is ready
         cpu, wall = time.thread_time(), time.perf_counter()
-        for _ in range(messages):
+        for sent in range(1, messages + 1):
             await websocket.send_bytes(payload)
+            if sent % burst == 0:
+                await asyncio.sleep(0)  # the end of a burst: the loop's turn ends, as the gateway's sender's does
         result["cpu_us_per_message"] = (time.thread_time() - cpu) / messages * 1e6
         result["wall_us_per_message"] = (time.perf_counter() - wall) / messages * 1e6
         await websocket.close()
@@ -57,9 +59,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=40_000)
     parser.add_argument("--bytes", type=int, default=68, help="payload: 8 header bytes + a 60-byte Opus packet")
+    parser.add_argument("--burst", type=int, default=1,
+                        help="messages sent in one turn of the event loop (a 320 ms chunk of 20 ms packets: 16)")
     args = parser.parse_args()
     result: dict[str, float] = {}
-    config = uvicorn.Config(sender_app(args.messages, b"\x01" * args.bytes, result), port=0, log_level="warning",
+    config = uvicorn.Config(sender_app(args.messages, b"\x01" * args.bytes, args.burst, result), port=0, log_level="warning",
                             ws=SharedDrainWebSocketProtocol, ws_per_message_deflate=False)
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()
@@ -69,7 +73,7 @@ def main() -> None:
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         received = pool.apply(receive_all, (f"ws://127.0.0.1:{port}/send",))
     server.should_exit = True
-    print(json.dumps({"messages": args.messages, "received": received, "bytes": args.bytes,
+    print(json.dumps({"messages": args.messages, "received": received, "bytes": args.bytes, "burst": args.burst,
                       **{k: round(v, 2) for k, v in result.items()}}))
 
 

@@ -18,8 +18,9 @@ from engine.kernels.few_rows_linear import few_rows_linear
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.model.layers import TransformerBlock, TransformerStack
 
-# few_rows_linear's blocks for one row: the fastest of a sweep on the H100 (`scripts/bench_linear.py`)
-ONE_ROW = dict(block_n=8, block_k=512, warps=4, stages=2, rows_per_program=1)
+# few_rows_linear's blocks for one row: the fastest, or within 2% of it, for each of the 1.7B model's eight matmul
+# shapes in a sweep of 16 on the H100 (`scripts/bench_linear.py --per-op`, docs/benchmarks.md)
+ONE_ROW = dict(block_n=8, block_k=1024, warps=4, stages=1, rows_per_program=1)
 
 
 def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

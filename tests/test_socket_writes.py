@@ -1,0 +1,84 @@
+"""The gateway's WebSocket protocol writes the messages of one turn of the event loop (a chunk of audio: several
+20 ms packets) to its socket together, in order, with control frames after what is held; a real uvicorn server with
+the gateway's protocol class and a real websockets client."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosedOK
+
+from realtime.server import SharedDrainWebSocketProtocol
+
+BURST = 20
+
+
+class CountedTransport:
+    """The server's real transport, each write's size recorded."""
+
+    def __init__(self, transport: asyncio.Transport, writes: list[int]) -> None:
+        self._transport, self._writes = transport, writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(len(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def served(app: Starlette, writes: list[int]) -> tuple[uvicorn.Server, int]:
+    class Counted(SharedDrainWebSocketProtocol):
+        def connection_open(self) -> None:  # the handshake's response is out: count what follows
+            super().connection_open()
+            self.transport = CountedTransport(self.transport, writes)
+
+    server = uvicorn.Server(uvicorn.Config(app, port=0, log_level="warning", ws=Counted,
+                                           ws_per_message_deflate=False))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.02)
+    return server, server.servers[0].sockets[0].getsockname()[1]
+
+
+def test_a_burst_of_messages_leaves_in_one_write_in_order_before_the_close():
+    async def endpoint(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.receive()
+        for index in range(BURST):
+            await websocket.send_bytes(index.to_bytes(2, "big") * 30)
+        await websocket.send_text("end of burst")
+        await asyncio.sleep(0.05)  # a later turn: its own write
+        await websocket.send_text("later")
+        await websocket.close(1000)
+
+    writes: list[int] = []
+    server, port = served(Starlette(routes=[WebSocketRoute("/", endpoint)]), writes)
+
+    async def client() -> tuple[list[Any], int]:
+        received = []
+        async with connect(f"ws://127.0.0.1:{port}/") as ws:
+            await ws.send("go")
+            try:
+                while True:
+                    received.append(await ws.recv())
+            except ConnectionClosedOK as closed:
+                return received, closed.rcvd.code
+
+    try:
+        received, code = asyncio.run(client())
+    finally:
+        server.should_exit = True
+    assert received == [index.to_bytes(2, "big") * 30 for index in range(BURST)] + ["end of burst", "later"]
+    assert code == 1000
+    burst_bytes = BURST * (2 + 60) + (2 + len("end of burst"))
+    assert writes[0] == burst_bytes  # the burst and the text after it: one write
+    assert writes[1] == 2 + len("later")
+    assert len(writes) == 3  # then the close frame
