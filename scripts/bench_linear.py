@@ -5,7 +5,8 @@ Each variant is captured as one CUDA graph of every layer's four matmuls (distin
 step, so nothing is served from L2 that would not be), replayed, and timed with CUDA events: the time a block's
 matmuls cost inside the step's graph, launch gaps included. Also checked: the fused output against the separate
 kernels (bf16 differences), and each row's bits alone and in the batch (fp32).
-Usage: python scripts/bench_linear.py --batches 1,4,16,64 [--configs 16x128x4x3,32x256x4x3]
+`--per-op` times each of the four fused matmuls alone instead, per configuration, and names the fastest.
+Usage: python scripts/bench_linear.py --batches 1,4,16,64 [--configs 16x128x4x3,8x512x4x2x1] [--per-op]
 """
 from __future__ import annotations
 
@@ -89,6 +90,31 @@ def parse_config(text: str) -> dict:
     return dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, rows_per_program=(rows or [16])[0])
 
 
+def per_op(cfg: dict, configs: list[dict], batch: int) -> dict:
+    """Each of the block's four fused matmuls alone, per configuration: us per call inside a graph, over enough
+    distinct weights that L2 holds none of them between calls."""
+    hidden, inner, dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * dim, cfg["num_key_value_heads"] * dim
+    x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
+    norm = torch.rand(hidden, device="cuda", dtype=x.dtype) + 0.5
+    inputs = {"qkv": (q + 2 * kv, hidden, dict(norm=norm)), "o": (hidden, q, dict(residual=x)),
+              "gate_up": (2 * inner, hidden, dict(norm=norm)), "down": (hidden, inner, dict(swiglu=True, residual=x))}
+    out = {}
+    for name, (features, width, fused_with) in inputs.items():
+        distinct = max(5, -(-150_000_000 // (features * width * 2)))
+        weights = [torch.randn(features, width, device="cuda", dtype=x.dtype) / width ** 0.5 for _ in range(distinct)]
+        source = torch.randn(batch, 2 * width if name == "down" else width, device="cuda", dtype=x.dtype)
+        times = {}
+        for config in configs:
+            key = "x".join(str(v) for v in config.values())
+            times[key] = round(1e3 * graph_ms(lambda i: few_rows_linear(source, weights[i % distinct], **fused_with,
+                                                                         **config), distinct), 2)
+        best = min(times, key=times.get)
+        out[f"{name}[{features}x{width}]"] = dict(best=best, best_us=times[best], us=times)
+        del weights
+    return out
+
+
 def agreement(layer: Layer, batch: int, config: dict) -> dict:
     """bf16: the fused block's residual stream against the separate kernels'; fp32: a row's bits alone and batched."""
     x = torch.randn(batch, layer.norm.shape[0], device="cuda", dtype=layer.norm.dtype)
@@ -117,8 +143,14 @@ def main() -> None:
                         help="BLOCK_NxBLOCK_KxWARPSxSTAGES[xROWS] of few_rows_linear")
     parser.add_argument("--distinct-weights", type=int, default=5,
                         help="weight sets cycled through (5 x the predictor's 31 MB is past the H100's 50 MB L2)")
+    parser.add_argument("--per-op", action="store_true", help="time each fused matmul alone, per configuration")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.per_op:
+        for part, cfg in block_shapes(args.size).items():
+            for batch in args.batches:
+                print(json.dumps(dict(part=part, batch=batch, **per_op(cfg, args.configs, batch))), flush=True)
+        return
     for part, cfg in block_shapes(args.size).items():
         layer = Layer(cfg, torch.bfloat16, args.distinct_weights)
         for batch in args.batches:
