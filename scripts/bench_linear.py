@@ -6,7 +6,7 @@ step, so nothing is served from L2 that would not be), replayed, and timed with 
 matmuls cost inside the step's graph, launch gaps included. Also checked: the fused output against the separate
 kernels (bf16 differences), and each row's bits alone and in the batch (fp32).
 `--per-op` times each of the four fused matmuls alone instead, per configuration, and names the fastest.
-Usage: python scripts/bench_linear.py --batches 1,4,16,64 [--configs 16x128x4x3,8x512x4x2x1] [--per-op]
+Usage: python scripts/bench_linear.py --batches 1,4,16,64 [--configs 8x1024x4x1,8x256x4x3x4] [--per-op]
 """
 from __future__ import annotations
 
@@ -85,9 +85,9 @@ def graph_ms(run, layers: int, replays: int = 20) -> float:
 
 
 def parse_config(text: str) -> dict:
-    """BLOCK_NxBLOCK_KxWARPSxSTAGES[xROWS]: ROWS per program, 16 (tl.dot) unless given."""
+    """BLOCK_NxBLOCK_KxWARPSxSTAGES[xROWS]: ROWS per program, 1 unless given."""
     block_n, block_k, warps, stages, *rows = (int(v) for v in text.split("x"))
-    return dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, rows_per_program=(rows or [16])[0])
+    return dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, rows_per_program=(rows or [1])[0])
 
 
 def per_op(cfg: dict, configs: list[dict], batch: int) -> dict:
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--size", default="1b7", choices=["0b6", "1b7"])
     parser.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 64])
     parser.add_argument("--configs", type=lambda s: [parse_config(v) for v in s.split(",")],
-                        default=[parse_config(v) for v in ("16x128x4x3", "16x256x4x3", "32x128x4x3", "16x256x8x4")],
+                        default=[parse_config(v) for v in ("8x1024x4x1", "8x512x4x2", "4x1024x4x1", "8x256x4x3x4")],
                         help="BLOCK_NxBLOCK_KxWARPSxSTAGES[xROWS] of few_rows_linear")
     parser.add_argument("--distinct-weights", type=int, default=5,
                         help="weight sets cycled through (5 x the predictor's 31 MB is past the H100's 50 MB L2)")

@@ -63,7 +63,8 @@ def main() -> None:
                         help="messages sent in one turn of the event loop (a 320 ms chunk of 20 ms packets: 16)")
     args = parser.parse_args()
     result: dict[str, float] = {}
-    config = uvicorn.Config(sender_app(args.messages, b"\x01" * args.bytes, args.burst, result), port=0, log_level="warning",
+    app = sender_app(args.messages, b"\x01" * args.bytes, args.burst, result)
+    config = uvicorn.Config(app, port=0, log_level="warning",
                             ws=SharedDrainWebSocketProtocol, ws_per_message_deflate=False)
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()

@@ -4,8 +4,8 @@ projections and fused Triton kernels over a slot cache.
 Per block: RMSNorm (fused with the previous residual add), one QKV matmul, one kernel for q/k norm + RoPE + the
 cache write, varlen attention, the output matmul, add + RMSNorm, one gate/up matmul, SwiGLU, the down matmul:
 9 launches instead of ~45. A batch of one row takes `few_rows_linear` instead, which folds the norms, SwiGLU and
-residual adds into its matmuls: 6 launches. The merged weights are the module's own storage (its q/k/v and gate/up parameters
-become views into them), so the simple path keeps working on the same memory.
+residual adds into its matmuls: 6 launches. The merged weights are the module's own storage (its q/k/v and gate/up
+parameters become views into them), so the simple path keeps working on the same memory.
 """
 from __future__ import annotations
 
@@ -17,10 +17,6 @@ from engine.kernels.attention import varlen_attention
 from engine.kernels.few_rows_linear import few_rows_linear
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.model.layers import TransformerBlock, TransformerStack
-
-# few_rows_linear's blocks for one row: the fastest, or within 2% of it, for each of the 1.7B model's eight matmul
-# shapes in a sweep of 16 on the H100 (`scripts/bench_linear.py --per-op`, docs/benchmarks.md)
-ONE_ROW = dict(block_n=8, block_k=1024, warps=4, stages=1, rows_per_program=1)
 
 
 def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,19 +76,17 @@ class FusedLayers:
     def _one_row(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """A lone request's token (batch 1: a request's first step, the code predictor's sub-steps at low load): the
-        norms, SwiGLU and residual adds fused into the matmuls (`few_rows_linear`), 6 launches a block instead of 9
-        and ~17% less time in the predictor's blocks (docs/benchmarks.md)."""
+        norms, SwiGLU and residual adds fused into the matmuls (`few_rows_linear`), 6 launches a block instead of 9:
+        29% less time in the code predictor's blocks, 14% in the talker's (docs/benchmarks.md)."""
         for index, merged in enumerate(self.layers):
             layer = merged.layer
-            qkv = few_rows_linear(x, merged.qkv, merged.qkv_bias, norm=layer.input_layernorm.weight, eps=self.eps,
-                                  **ONE_ROW)
+            qkv = few_rows_linear(x, merged.qkv, merged.qkv_bias, norm=layer.input_layernorm.weight, eps=self.eps)
             attended = self._attend(index, qkv, positions, slots, lengths, k_cache, v_cache)
             o_proj = layer.self_attn.o_proj
-            few_rows_linear(attended, o_proj.weight, o_proj.bias, residual=x, **ONE_ROW)
-            gate_up = few_rows_linear(x, merged.gate_up, norm=layer.post_attention_layernorm.weight, eps=self.eps,
-                                      **ONE_ROW)
+            few_rows_linear(attended, o_proj.weight, o_proj.bias, residual=x)
+            gate_up = few_rows_linear(x, merged.gate_up, norm=layer.post_attention_layernorm.weight, eps=self.eps)
             down = layer.mlp.down_proj
-            few_rows_linear(gate_up, down.weight, down.bias, swiglu=True, residual=x, **ONE_ROW)
+            few_rows_linear(gate_up, down.weight, down.bias, swiglu=True, residual=x)
         return add_rms_norm(x, None, self.stack.norm.weight, self.eps)
 
     def _attend(self, index: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

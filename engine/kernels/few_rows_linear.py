@@ -1,15 +1,19 @@
-"""A linear layer for a few rows (the frame step's 1-16 tokens) with its neighbours fused in: the RMSNorm before
-it, the SwiGLU before the down projection, the residual add after it.
+"""A linear layer for one row (a lone request's token in the frame step) with its neighbours fused in: the RMSNorm
+before it, the SwiGLU before the down projection, the residual add after it.
 
-At a few rows every matmul of a transformer block reads its weights once and does almost no arithmetic, so a block
+At one row every matmul of a transformer block reads its weights once and does almost no arithmetic, so a block
 costs its launches: cuBLAS's GEMV plus its split-K reduction, and a kernel each for the norm, the activation and the
-add. Here one program owns `BLOCK_N` output features of 16 rows and streams their weight rows over the whole input
-(no split of K, so the epilogue can finish the rows itself): the norm is computed by every program from the input
-row it reads anyway (a few KB from L2), the activation on load, the residual add on store. A block of the step is
-then 6 launches instead of 9-12. Each output is one fixed-order reduction of its own row against its weights, the
-same whatever the other rows are (PROTOCOL.md's seed guarantee). Rounding follows the reference: the normalised
-input, its weighted value, the activation, the product, the layer's output and the sum are each rounded to the
-model's dtype where the PyTorch code rounds them. `TRITON_INTERPRET=1` runs it on the CPU for the tests.
+add. Here one program owns `BLOCK_N` output features and streams their weight rows over the whole input (no split of
+K, so the epilogue can finish the row itself), its products summed per lane and reduced once at the end: the norm is
+computed by every program from the input row it reads anyway (a few KB from L2), the activation on load, the residual
+add on store. A block of the step is then 6 launches instead of 9-12. Each output is one fixed-order reduction of its
+own row against its weights, the same whatever the other rows are (PROTOCOL.md's seed guarantee). Rounding follows the
+reference: the normalised input, its weighted value, the activation, the product, the layer's output and the sum are
+each rounded to the model's dtype where the PyTorch code rounds them. `TRITON_INTERPRET=1` runs it on the CPU.
+
+Several rows a program (`rows_per_program`) share each weight tile; measured slower than cuBLAS and the separate
+kernels from 4 rows up (docs/benchmarks.md), so the engine uses it for one row. A `tl.dot` form, 16 rows a program,
+was 2-4x slower still at every batch and is gone.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 16  # rows per program: tl.dot's smallest side; the most rows this kernel is meant for
-PLAIN, NORM, SWIGLU = 0, 1, 2  # what is applied to the input as it is loaded
+PLAIN = tl.constexpr(0)  # what is applied to the input as it is loaded
+NORM = tl.constexpr(1)
+SWIGLU = tl.constexpr(2)
 
 
 @triton.jit
@@ -30,14 +35,13 @@ def _rounded(x, DTYPE: tl.constexpr):
 def _few_rows_linear_kernel(x_ptr, weight_ptr, bias_ptr, norm_ptr, residual_ptr, out_ptr,
                             rows, features, width, stride_x, stride_out, eps,
                             INPUT: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     dtype = weight_ptr.dtype.element_ty
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # row blocks of one weight tile run side by side (L2)
     row_mask = row < rows
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = col < features
-    if INPUT == 1:  # RMSNorm: the row's mean square first, in fp32
+    if INPUT == NORM:  # the row's mean square first, in fp32
         squares = tl.zeros([ROWS], tl.float32)
         for start in range(0, width, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
@@ -45,30 +49,22 @@ def _few_rows_linear_kernel(x_ptr, weight_ptr, bias_ptr, norm_ptr, residual_ptr,
                         mask=row_mask[:, None] & (k[None, :] < width), other=0.0).to(tl.float32)
             squares += tl.sum(x * x, axis=1)
         inv_rms = tl.rsqrt(squares / width + eps)
-    if USE_DOT:
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    else:  # products summed per lane, reduced once at the end
-        lanes = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    lanes = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
     for start in range(0, width, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         k_mask = k < width
         x_mask = row_mask[:, None] & k_mask[None, :]
         x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        if INPUT == 1:
+        if INPUT == NORM:
             scale = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
             x = scale[None, :] * _rounded(x * inv_rms[:, None], dtype)
-        elif INPUT == 2:  # x is the gate, the up projection `width` columns to its right
+        elif INPUT == SWIGLU:  # x is the gate, the up projection `width` columns to its right
             up = tl.load(x_ptr + row[:, None] * stride_x + width + k[None, :], mask=x_mask, other=0.0)
             x = _rounded(x * tl.sigmoid(x), dtype) * up.to(tl.float32)
         w = tl.load(weight_ptr + col[:, None] * width + k[None, :], mask=col_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        # On fp32 values (the interpreter's dot has no bf16): a bf16 value is exact in TF32, so are the products.
-        if USE_DOT:
-            acc += tl.dot(_rounded(x, dtype), tl.trans(w.to(tl.float32)), input_precision=PRECISION)
-        else:
-            lanes += _rounded(x, dtype)[:, None, :] * w.to(tl.float32)[None, :, :]
-    if not USE_DOT:
-        acc = tl.sum(lanes, axis=2)
+        lanes += _rounded(x, dtype)[:, None, :] * w.to(tl.float32)[None, :, :]
+    acc = tl.sum(lanes, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = _rounded(acc, dtype)
@@ -83,11 +79,12 @@ def _few_rows_linear_kernel(x_ptr, weight_ptr, bias_ptr, norm_ptr, residual_ptr,
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                     norm: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
-                    residual: torch.Tensor | None = None, block_n: int = 16, block_k: int = 128,
-                    warps: int = 4, stages: int = 3, rows_per_program: int = ROWS) -> torch.Tensor:
-    """F.linear(f(x), weight, bias) for x [N, K] (contiguous rows), weight [F, K] (contiguous), where f is
+                    residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 1024,
+                    warps: int = 4, stages: int = 1, rows_per_program: int = 1) -> torch.Tensor:
+    """F.linear(f(x), weight, bias) for x [N, K] (unit stride in K), weight [F, K] (contiguous), where f is
     RMSNorm with weights `norm` (x = the residual stream), or SwiGLU (`swiglu`: x [N, 2K] = gate then up), or nothing.
-    With `residual` [N, F] the output is added to it in place and `residual` is returned; else a new [N, F]."""
+    With `residual` [N, F] the output is added to it in place and `residual` is returned; else a new [N, F].
+    The defaults are the fastest blocks for one row on the H100 (`scripts/bench_linear.py --per-op`)."""
     assert not (swiglu and norm is not None)
     rows, features = x.shape[0], weight.shape[0]
     width = weight.shape[1]
@@ -98,8 +95,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     _few_rows_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, norm if norm is not None else weight, out, out,
         rows, features, width, x.stride(0), out.stride(0), eps,
-        INPUT=NORM if norm is not None else SWIGLU if swiglu else PLAIN, HAS_BIAS=bias is not None,
+        INPUT=(NORM if norm is not None else SWIGLU if swiglu else PLAIN).value, HAS_BIAS=bias is not None,
         ADD_RESIDUAL=residual is not None, ROWS=rows_per_program, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_DOT=rows_per_program >= ROWS,
-        PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
     return out
