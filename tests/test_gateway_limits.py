@@ -74,7 +74,15 @@ def test_a_client_that_floods_and_never_reads_is_closed_not_buffered_for(server)
     server hold every error (500 MB for 2M messages). Past MAX_QUEUED_ITEMS waiting to be sent, the session ends
     as a slow consumer (1008) and the server still serves."""
     async def go():
-        async with connect(server.ws, max_queue=None) as ws:
+        # A client that really reads nothing: its library stops reading the socket once 4 messages wait, and the
+        # socket's receive buffer is small and fixed. (Reading in the background into an unbounded queue, with
+        # buffers the kernel grew to megabytes, all 60,000 errors fitted on their way, the outbox never filled,
+        # and the session went idle instead: 4008.)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16_384)
+        uri = parse_uri(server.ws)
+        sock.connect((uri.host, uri.port))
+        async with connect(server.ws, max_queue=4, sock=sock) as ws:
             for _ in range(60_000):
                 await ws.send("x")
             events, code = await closing_events(ws)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.core.decoding import LEAD_MARGIN, lead_chunk, lead_chunk_lengths
+from engine.core.decoding import LEAD_MARGIN, later_chunk_lengths, lead_chunk, lead_chunk_lengths
 from engine.core.engine import Engine, EngineConfig
 from engine.core.scheduler import FRAME_SECONDS, MAX_ADMISSION_WAIT_S, Scheduler
 from engine.core.simulator import Arrival, CostModel, poisson_workload, simulate
@@ -27,7 +27,8 @@ def test_lead_chunks_start_at_one_frame_and_grow_with_the_lead():
        first=st.integers(1, 8), largest=st.integers(1, 16))
 def test_lead_chunk_properties(decoded, lead, more, first, largest):
     """A length with a decoder graph; the first chunk is `first_chunk_frames`; later ones are at most `chunk_frames`,
-    fit into the lead (or are a single frame), are the longest that do, and never shrink as the lead grows."""
+    fit into the lead (or are a single frame), are the longest of the later lengths that do (the first chunk's length
+    is not one of them unless it is also a power of two or `chunk_frames`), and never shrink as the lead grows."""
     n = lead_chunk(decoded, lead, first, largest)
     assert n in lead_chunk_lengths(first, largest)
     if decoded == 0:
@@ -35,7 +36,8 @@ def test_lead_chunk_properties(decoded, lead, more, first, largest):
         return
     fits = lead / (LEAD_MARGIN * FRAME_SECONDS)
     assert 1 <= n <= largest and (n == 1 or n <= fits)
-    longer = [m for m in lead_chunk_lengths(first, largest) if n < m <= largest]
+    assert n in later_chunk_lengths(largest)
+    longer = [m for m in later_chunk_lengths(largest) if n < m]
     assert not longer or min(longer) > fits
     assert lead_chunk(decoded, lead + more, first, largest) >= n
 
