@@ -34,6 +34,9 @@ with warnings.catch_warnings():
 
 
 
+MAX_HELD_BYTES = 16_384  # a loop turn's data frames held for one socket write: a 320 ms chunk of 24 kHz PCM
+
+
 class SharedDrainWebSocketProtocol(WebSocketProtocol):
     """The legacy protocol with a write buffer that several writers may wait on at once. Its own flow control keeps
     one waiter and asserts there is no other, but a client that reads slowly makes two writers wait together: the
@@ -49,6 +52,7 @@ class SharedDrainWebSocketProtocol(WebSocketProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._drain_waiters: deque[asyncio.Future[None]] = deque()
         self._held: list[bytes] = []
+        self._held_bytes = 0
         super().__init__(*args, **kwargs)
         self._session_app, self.app = self.app, self._app_then_close
 
@@ -56,18 +60,25 @@ class SharedDrainWebSocketProtocol(WebSocketProtocol):
         """A chunk of audio is several 20 ms packets, each its own message, sent one after another without the
         sender yielding: a system call and a TCP segment each was the larger part of the gateway's cost per message
         (docs/benchmarks.md). Data frames are therefore held until the end of the loop's turn and written together,
-        in order; a control frame (close, ping, pong) writes what is held, then itself, at once."""
+        in order; a control frame (close, ping, pong) writes what is held, then itself, at once.
+
+        Only while the socket keeps up, and only up to `MAX_HELD_BYTES`: once the transport buffers (the peer reads
+        slowly), every frame goes to it at once, so that its high-water mark pauses the sender as before and the
+        session's send queue, not the transport, holds what waits (its urgent events, cancels and slow-consumer
+        policy act on it)."""
         frame = Frame(Opcode(opcode), data, fin).serialize(mask=self.is_client, extensions=self.extensions)
-        if opcode in DATA_OPCODES:
+        if (opcode in DATA_OPCODES and not self.transport.get_write_buffer_size()
+                and self._held_bytes + len(frame) <= MAX_HELD_BYTES):
             if not self._held:
                 self.loop.call_soon(self._write_held)
             self._held.append(frame)
+            self._held_bytes += len(frame)
             return
         self._write_held()
         self.transport.write(frame)
 
     def _write_held(self) -> None:
-        held, self._held = self._held, []
+        held, self._held, self._held_bytes = self._held, [], 0
         if held and not self.transport.is_closing():
             self.transport.write(b"".join(held))
 

@@ -4,6 +4,7 @@ the gateway's protocol class and a real websockets client."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK
 
-from realtime.server import SharedDrainWebSocketProtocol
+from realtime.server import MAX_HELD_BYTES, SharedDrainWebSocketProtocol
 
 BURST = 20
 
@@ -34,11 +35,13 @@ class CountedTransport:
         return getattr(self._transport, name)
 
 
-def served(app: Starlette, writes: list[int]) -> tuple[uvicorn.Server, int]:
+def served(app: Starlette, writes: list[int], protocols: list | None = None) -> tuple[uvicorn.Server, int]:
     class Counted(SharedDrainWebSocketProtocol):
         def connection_open(self) -> None:  # the handshake's response is out: count what follows
             super().connection_open()
             self.transport = CountedTransport(self.transport, writes)
+            if protocols is not None:
+                protocols.append(self)
 
     server = uvicorn.Server(uvicorn.Config(app, port=0, log_level="warning", ws=Counted,
                                            ws_per_message_deflate=False))
@@ -82,3 +85,40 @@ def test_a_burst_of_messages_leaves_in_one_write_in_order_before_the_close():
     assert writes[0] == burst_bytes  # the burst and the text after it: one write
     assert writes[1] == 2 + len("later")
     assert len(writes) == 3  # then the close frame
+
+
+def test_a_peer_that_reads_nothing_still_pauses_the_sender():
+    """Holding a turn's frames must not hide a slow peer from flow control: once the transport buffers, frames go to
+    it at once and `send` waits at its high-water mark, so what waits stays in the session's send queue (where urgent
+    events overtake it and a cancel drops it), not in the transport (a hostile try: 20,000 sends of 1 KB all went
+    through, 17 MB in the transport buffer)."""
+    sent, buffered = [], []
+    protocols: list = []
+
+    async def endpoint(websocket: WebSocket) -> None:
+        await websocket.accept()
+
+        async def flood() -> None:
+            for _ in range(5_000):
+                await websocket.send_bytes(b"x" * 1_000)
+                sent.append(1)
+        task = asyncio.create_task(flood())
+        await asyncio.sleep(1.5)
+        buffered.append(protocols[0].transport.get_write_buffer_size())
+        task.cancel()
+
+    server, port = served(Starlette(routes=[WebSocketRoute("/", endpoint)]), [], protocols)
+    peer = socket.socket()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        peer.connect(("127.0.0.1", port))
+        peer.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        deadline = time.monotonic() + 10
+        while not buffered and time.monotonic() < deadline:  # never reads
+            time.sleep(0.05)
+    finally:
+        peer.close()
+        server.should_exit = True
+    assert buffered and buffered[0] <= 64 * 1024 + MAX_HELD_BYTES
+    assert len(sent) < 5_000
