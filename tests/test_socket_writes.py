@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from typing import Any
 
@@ -17,6 +16,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK
 
 from realtime.server import MAX_HELD_BYTES, SharedDrainWebSocketProtocol
+from tests.gateway_server import serve_in_thread
 
 BURST = 20
 
@@ -45,10 +45,7 @@ def served(app: Starlette, writes: list[int], protocols: list | None = None) -> 
 
     server = uvicorn.Server(uvicorn.Config(app, port=0, log_level="warning", ws=Counted,
                                            ws_per_message_deflate=False))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.02)
-    return server, server.servers[0].sockets[0].getsockname()[1]
+    return server, serve_in_thread(server)[1]
 
 
 def test_a_burst_of_messages_leaves_in_one_write_in_order_before_the_close():
