@@ -33,10 +33,16 @@ def block_shapes(size: str) -> dict[str, dict]:
             "predictor": dict(predictor, layers=predictor["num_hidden_layers"] * (talker["num_code_groups"] - 1))}
 
 
+def widths(cfg: dict) -> tuple[int, int, int, int]:
+    """hidden, MLP inner, all query heads, all key (or value) heads."""
+    dim = cfg["head_dim"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return cfg["hidden_size"], cfg["intermediate_size"], heads * dim, kv_heads * dim
+
+
 class Layer:
     def __init__(self, cfg: dict, dtype: torch.dtype, distinct_weights: int) -> None:
-        hidden, inner, dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-        q, kv = cfg["num_attention_heads"] * dim, cfg["num_key_value_heads"] * dim
+        hidden, inner, q, kv = widths(cfg)
 
         def weights(rows: int, cols: int) -> list[torch.Tensor]:
             return [torch.randn(rows, cols, device="cuda", dtype=dtype) / cols ** 0.5 for _ in range(distinct_weights)]
@@ -90,11 +96,14 @@ def parse_config(text: str) -> dict:
     return dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, rows_per_program=(rows or [1])[0])
 
 
+def config_name(config: dict) -> str:
+    return "x".join(str(v) for v in config.values())
+
+
 def per_op(cfg: dict, configs: list[dict], batch: int) -> dict:
     """Each of the block's four fused matmuls alone, per configuration: us per call inside a graph, over enough
     distinct weights that L2 holds none of them between calls."""
-    hidden, inner, dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * dim, cfg["num_key_value_heads"] * dim
+    hidden, inner, q, kv = widths(cfg)
     x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
     norm = torch.rand(hidden, device="cuda", dtype=x.dtype) + 0.5
     inputs = {"qkv": (q + 2 * kv, hidden, dict(norm=norm)), "o": (hidden, q, dict(residual=x)),
@@ -106,9 +115,9 @@ def per_op(cfg: dict, configs: list[dict], batch: int) -> dict:
         source = torch.randn(batch, 2 * width if name == "down" else width, device="cuda", dtype=x.dtype)
         times = {}
         for config in configs:
-            key = "x".join(str(v) for v in config.values())
-            times[key] = round(1e3 * graph_ms(lambda i: few_rows_linear(source, weights[i % distinct], **fused_with,
-                                                                         **config), distinct), 2)
+            def run(i: int) -> None:
+                few_rows_linear(source, weights[i % distinct], **fused_with, **config)
+            times[config_name(config)] = round(1e3 * graph_ms(run, distinct), 2)
         best = min(times, key=times.get)
         out[f"{name}[{features}x{width}]"] = dict(best=best, best_us=times[best], us=times)
         del weights
@@ -161,9 +170,8 @@ def main() -> None:
                           separate_us_per_layer=round(1e3 * graph_ms(lambda i: separate(layer, x, attended, i % cycle),
                                                                      cycle * 4), 2))
             for config in args.configs:
-                name = "x".join(str(v) for v in config.values())
                 us = 1e3 * graph_ms(lambda i: fused(layer, x, attended, i % cycle, config), cycle * 4)
-                result[f"fused_us_per_layer[{name}]"] = round(us, 2)
+                result[f"fused_us_per_layer[{config_name(config)}]"] = round(us, 2)
             result.update(agreement(layer, batch, args.configs[-1]))
             print(json.dumps(result), flush=True)
         del layer
