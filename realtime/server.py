@@ -29,7 +29,9 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="The `websockets` implementation is deprecated")
     warnings.filterwarnings("ignore", message="websockets.legacy is deprecated")
     from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
+    from websockets.exceptions import ProtocolError
     from websockets.frames import DATA_OPCODES, Frame, Opcode
+    from websockets.legacy.protocol import MAX_FRAGMENTS, TooManyFragments
     from websockets.protocol import State
 
 
@@ -37,12 +39,17 @@ with warnings.catch_warnings():
 MAX_HELD_BYTES = 16_384  # a loop turn's data frames held for one socket write: a 320 ms chunk of 24 kHz PCM
 
 
-class SharedDrainWebSocketProtocol(WebSocketProtocol):
-    """The legacy protocol with a write buffer that several writers may wait on at once. Its own flow control keeps
+class GatewayWebSocketProtocol(WebSocketProtocol):
+    """uvicorn's legacy protocol, three things changed.
+
+    A write buffer that several writers may wait on at once. Its own flow control keeps
     one waiter and asserts there is no other, but a client that reads slowly makes two writers wait together: the
     session's send of audio and the pong that answers the client's ping (or a keepalive ping, or a close frame).
     The assertion then failed the connection with 1011, ahead of the slow-consumer policy's error and 1008. Here
     every waiter waits its turn, as asyncio's own streams do.
+
+    A text message that is not valid UTF-8 reaches the session, which answers it with a non-fatal error as it does
+    any malformed message (`read_message`); the library failed the connection with 1007 and no word why.
 
     A session ends as soon as nothing more can arrive on its socket (`ensure_open`), while the connection stays
     until the protocol has closed it (`_app_then_close`).
@@ -76,6 +83,31 @@ class SharedDrainWebSocketProtocol(WebSocketProtocol):
             return
         self._write_held()
         self.transport.write(frame)
+
+    async def read_message(self) -> str | bytes | None:
+        """The library's reassembly of a message from its frames, with one change: a text message's bytes are
+        decoded with Python's `surrogateescape`, so bytes that are not UTF-8 arrive as lone surrogates (which valid
+        UTF-8 never yields) and the session refuses the message with `invalid_json` (realtime.ws.protocol)."""
+        frame = await self.read_data_frame(max_size=self.max_size)
+        if frame is None:  # a close frame
+            return None
+        if frame.opcode is Opcode.CONT:
+            raise ProtocolError("unexpected opcode")
+        text = frame.opcode is Opcode.TEXT
+        fragments = [frame.data]
+        size = len(frame.data)
+        while not frame.fin:
+            frame = await self.read_data_frame(max_size=None if self.max_size is None else self.max_size - size)
+            if frame is None:
+                raise ProtocolError("incomplete fragmented message")
+            if frame.opcode is not Opcode.CONT:
+                raise ProtocolError("unexpected opcode")
+            if len(fragments) >= MAX_FRAGMENTS:
+                raise TooManyFragments(MAX_FRAGMENTS)
+            fragments.append(frame.data)
+            size += len(frame.data)
+        data = b"".join(fragments)
+        return data.decode("utf-8", "surrogateescape") if text else data
 
     def _write_held(self) -> None:
         held, self._held, self._held_bytes = self._held, [], 0
@@ -270,7 +302,7 @@ def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8
                                   max_connections=gateway.limits.connection_cap)
 
     config = uvicorn.Config(create_app(gateway), host=host, port=port, log_level=log_level, http=protocol,
-                            ws=SharedDrainWebSocketProtocol, ws_max_size=limits.max_message_bytes,
+                            ws=GatewayWebSocketProtocol, ws_max_size=limits.max_message_bytes,
                             ws_per_message_deflate=False, ws_ping_interval=PING_INTERVAL_S, ws_ping_timeout=PING_TIMEOUT_S,
                             timeout_graceful_shutdown=10)
     redact_logs()  # after uvicorn.Config, which configures uvicorn's loggers

@@ -1,5 +1,5 @@
 """The floor of the gateway's audio path per WebSocket message: one binary message sent by a starlette endpoint
-through uvicorn with the gateway's own protocol (`realtime.server.SharedDrainWebSocketProtocol`), nothing else, read
+through uvicorn with the gateway's own protocol (`realtime.server.GatewayWebSocketProtocol`), nothing else, read
 by a websockets client in another process. An Opus stream at 20 ms frames is 50 such messages a second, all sent from
 the gateway's one event loop, so this says how far the gateway's own per-message work (framing, the outbox, the
 metrics, the engine and encoder pipes) is above what the web stack alone costs (docs/benchmarks.md).
@@ -22,7 +22,7 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from realtime.server import SharedDrainWebSocketProtocol
+from realtime.server import GatewayWebSocketProtocol
 
 
 def sender_app(messages: int, payload: bytes, burst: int, result: dict[str, float]) -> Starlette:
@@ -65,7 +65,7 @@ def main() -> None:
     result: dict[str, float] = {}
     app = sender_app(args.messages, b"\x01" * args.bytes, args.burst, result)
     config = uvicorn.Config(app, port=0, log_level="warning",
-                            ws=SharedDrainWebSocketProtocol, ws_per_message_deflate=False)
+                            ws=GatewayWebSocketProtocol, ws_per_message_deflate=False)
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:

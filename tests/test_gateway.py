@@ -375,6 +375,39 @@ def test_a_first_append_with_a_lone_surrogate_names_its_context_and_creates_none
     run(go())
 
 
+NOT_UTF8 = st.sampled_from([b"\xff", b"\xc3", b"\xc3(", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80",
+                             b"\xc0\xaf", b"\xf4\x90\x80\x80"]) | st.binary(min_size=1).filter(
+    lambda raw: not _decodes(raw))
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(broken=NOT_UTF8, where=st.integers(0, 60), fragments=st.integers(1, 4))
+def test_a_text_frame_that_is_not_utf8_gets_an_error_and_the_session_goes_on(server, broken, where, fragments):
+    """Bytes that are not UTF-8 anywhere in a text message, whole or in fragments: a non-fatal `invalid_json` that
+    says so, as for any malformed message (the WebSocket library alone failed the connection with 1007)."""
+    valid = json.dumps({"type": "text.append", "context_id": "u", "text": "Hello there."}).encode()
+    raw = valid[:where] + broken + valid[where:]
+    size = -(-len(raw) // fragments)
+
+    async def go():
+        conn = await session(server)
+        await conn.ws.send([raw[i:i + size] for i in range(0, len(raw), size)], text=True)
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "invalid_json" and "UTF-8" in error["message"] and error["fatal"] is False, error
+        events = await speak(conn, "ok", ["Still here."])
+        assert events[-1]["type"] == "context.done" and not any(e.get("context_id") == "u" for e in events)
+        await conn.ws.close()
+    run(go())
+
+
 def test_binary_from_the_client_and_session_start_after_text(server):
     async def go():
         conn = await session(server)

@@ -2,7 +2,8 @@
 
 `hypothesis` writes the messages: every message type with, in every field, a valid value, a JSON value of any
 type, random Unicode (lone surrogates, bidi and zero-width marks, emoji, CJK, NUL, 100,000 characters) or an
-out-of-range number (NaN, 2**64, 5,000 digits, deep nesting); HTTP speech bodies the same way. Every example must
+out-of-range number (NaN, 2**64, 5,000 digits, deep nesting); now and then bytes that are not UTF-8 spliced into a
+text frame; HTTP speech bodies the same way. Every example must
 end in the documented success (the context speaks, the request gets audio) or a specific error code: never
 `internal`, never a 500, never a session left hanging. The server process stays alive, and a healthy session
 beside it keeps receiving audio the whole time.
@@ -155,8 +156,18 @@ FIELDS = {
 
 
 @st.composite
-def messages(draw) -> str:
-    """One client message as it goes on the wire."""
+def messages(draw) -> str | bytes:
+    """One client message as it goes on the wire; bytes where it is not UTF-8 (sent in a text frame all the same)."""
+    wire = draw(utf8_messages())
+    if draw(st.integers(0, 9)):
+        return wire
+    raw = wire.encode()
+    where = draw(st.integers(0, len(raw)))
+    return raw[:where] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xc0\xaf"])) + raw[where:]
+
+
+@st.composite
+def utf8_messages(draw) -> str:
     kind = draw(st.sampled_from(list(FIELDS)) | st.sampled_from(list(FIELDS)) | texts | json_values)
     if not isinstance(kind, str) or kind not in FIELDS:
         return _wire(draw(st.fixed_dictionaries({"type": st.just(kind)}, optional={"context_id": texts}))
@@ -182,14 +193,14 @@ def _wire(value: object) -> str:
 
 # --- the socket --------------------------------------------------------------------------------------------------
 
-async def _exchange(url: str, wire: list[str]) -> None:
+async def _exchange(url: str, wire: list[str | bytes]) -> None:
     """Send the messages, then close out every context that started (end it, wait for audio or its end, cancel
     all), checking every event on the way."""
     async with connect(url, max_size=None) as ws:
         events: list[dict] = []
         try:
-            for text in wire:
-                await ws.send(text)
+            for message in wire:
+                await ws.send(message, text=True)
             await ws.send(json.dumps({"type": "context.cancel", "context_id": "fin"}))  # acked in order
             await _read_until(ws, events, lambda: _acked(events, "fin"))
             open_ids = _open_contexts(events)
@@ -254,10 +265,11 @@ def _check_events(events: list[dict]) -> None:
             assert any(e.get("type") == "error" and e.get("context_id") == event["context_id"] for e in events)
 
 
-def _check_close(closed: ConnectionClosed, wire: list[str], events: list[dict]) -> None:
+def _check_close(closed: ConnectionClosed, wire: list[str | bytes], events: list[dict]) -> None:
     """The session may end only as documented: a message over the size limit (1009) or session.close (1000)."""
     code = closed.rcvd.code if closed.rcvd else None
-    too_big = any(len(text.encode("utf-8", "surrogatepass")) > MAX_MESSAGE_BYTES for text in wire)
+    too_big = any(len(message if isinstance(message, bytes) else message.encode("utf-8", "surrogatepass"))
+                  > MAX_MESSAGE_BYTES for message in wire)
     closing = any(e.get("type") == "session.closed" for e in events)
     assert (code == 1009 and too_big) or (code == 1000 and closing), (code, events[-5:])
 

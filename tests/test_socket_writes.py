@@ -15,7 +15,7 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK
 
-from realtime.server import MAX_HELD_BYTES, SharedDrainWebSocketProtocol
+from realtime.server import MAX_HELD_BYTES, GatewayWebSocketProtocol
 from tests.gateway_server import serve_in_thread
 
 BURST = 20
@@ -36,7 +36,7 @@ class CountedTransport:
 
 
 def served(app: Starlette, writes: list[int], protocols: list | None = None) -> tuple[uvicorn.Server, int]:
-    class Counted(SharedDrainWebSocketProtocol):
+    class Counted(GatewayWebSocketProtocol):
         def connection_open(self) -> None:  # the handshake's response is out: count what follows
             super().connection_open()
             self.transport = CountedTransport(self.transport, writes)

@@ -131,11 +131,7 @@ def load_json(raw: str | bytes, code: str = "invalid_message") -> Any:
 
 def _decode_json(raw: str | bytes, code: str) -> Any:
     """JSON to Python, within the bounds of depth and integer size (strings not yet checked)."""
-    if isinstance(raw, bytes):
-        try:
-            raw = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ProtocolError("invalid_json", "the body is not UTF-8 text") from None
+    raw = _utf8_text(raw)
     try:
         value = json.loads(raw, parse_int=partial(_bounded_int, code), parse_constant=_no_constant)
     except json.JSONDecodeError as failure:
@@ -146,6 +142,19 @@ def _decode_json(raw: str | bytes, code: str) -> Any:
     if depth > MAX_JSON_DEPTH:
         raise ProtocolError(code, f"JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
     return value
+
+
+def _utf8_text(raw: str | bytes) -> str:
+    """The message as text, if its bytes are UTF-8. A text frame's bytes that are not arrive as lone surrogates
+    (realtime.server), which no UTF-8 decoder yields, so such text does not encode back."""
+    try:
+        if isinstance(raw, bytes):
+            return raw.decode("utf-8")
+        if not raw.isascii():
+            raw.encode("utf-8")
+        return raw
+    except UnicodeError:
+        raise ProtocolError("invalid_json", "the message is not valid UTF-8 text") from None
 
 
 def _nesting_depth(value: Any) -> int:
