@@ -537,40 +537,48 @@ def decoder_flops_per_frame(tts: TTSModel) -> float:
 
 
 def decoder_agreement(tts: TTSModel, generator: torch.Generator) -> dict:
-    """The decoder's audio for 12 random frames on the device (its fast path: fused SnakeBeta on a GPU), in the model
-    dtype and in fp32, against the fp32 decode on the CPU (the reference arithmetic)."""
+    """The decoder's audio for 12 random frames on the device (its fast path on a GPU: fused SnakeBeta, channels-minor
+    convolutions), in the model dtype and in fp32, against the fp32 decode on the CPU by the plain path (the
+    reference arithmetic)."""
     cfg = tts.decoder.cfg
     codes = torch.randint(0, cfg.codebook_size, (2, 12, cfg.num_quantizers), generator=generator)
+    reference = copy.deepcopy(tts.decoder).float().cpu()
+    reference.use_fast_path(False)
     with torch.inference_mode():
-        exact = copy.deepcopy(tts.decoder).float().cpu().decode(codes)
+        exact = reference.decode(codes)
         fp32 = copy.deepcopy(tts.decoder).float().decode(codes.to(tts.device)).cpu()
         model_dtype = tts.decoder.decode(codes.to(tts.device)).float().cpu()
     scale = exact.abs().max().item()
-    kernel = snake_kernel_agreement(tts.device) if tts.device.type == "cuda" else {}
+    kernel = conv_kernel_agreement(tts.device) if tts.device.type == "cuda" else {}
     return kernel | dict(fp32_max_abs_error=(fp32 - exact).abs().max().item(),
                 model_dtype_max_abs_error=(model_dtype - exact).abs().max().item(), audio_peak=scale,
                 model_dtype_snr_db=10 * np.log10((exact ** 2).mean().item() /
                                                  max(((model_dtype - exact) ** 2).mean().item(), 1e-30)))
 
 
-def snake_kernel_agreement(device: torch.device) -> dict:
-    """The fused SnakeBeta + padding kernel against PyTorch's SnakeBeta and cat on the GPU, on random activations
-    of the decoder's scale: the share of bit-equal values in bf16, the largest difference in fp32."""
-    from engine.kernels.snake import snake_padded
+def conv_kernel_agreement(device: torch.device) -> dict:
+    """The decoder's elementwise kernels against PyTorch on the GPU, on random activations of the decoder's scale:
+    SnakeBeta + padding (the share of bit-equal values in bf16, the largest difference in fp32), and the bias +
+    residual add (the share of bit-equal values, expected 1 in both dtypes)."""
+    from engine.kernels.conv_elementwise import add_bias_residual, snake_padded
     from engine.model.codec_decoder import SnakeBeta
     generator = torch.Generator().manual_seed(1)
     snake = SnakeBeta(96)
     snake.alpha.data, snake.beta.data = torch.randn(2, 96, generator=generator) * 0.5
     x = torch.randn(8, 96, 1920, generator=generator) * 3
     past = torch.randn(8, 96, 6, generator=generator)
+    residual, bias = torch.randn(8, 96, 1920, generator=generator), torch.randn(96, generator=generator)
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
         module, xd, pd = snake.to(device, dtype), x.to(device, dtype), past.to(device, dtype)
+        rd, bd = residual.to(device, dtype), bias.to(device, dtype)
         with torch.inference_mode():
             fused, expected = snake_padded(xd, module.alpha, module.beta, pd, 6), torch.cat((pd, module(xd)), -1)
+            added = add_bias_residual(rd, xd, bd) == rd + (xd + bd[:, None])
         key = str(dtype).removeprefix("torch.")
         out[f"snake_kernel_{key}_bit_equal"] = (fused == expected).float().mean().item()
         out[f"snake_kernel_{key}_max_abs_diff"] = (fused.float() - expected.float()).abs().max().item()
+        out[f"bias_residual_kernel_{key}_bit_equal"] = added.float().mean().item()
     return out
 
 

@@ -4,8 +4,8 @@ At batch 1 a graphed decode on the GPU is bound by how many kernels it launches 
 few microseconds each), not by its arithmetic. This counts the ATen ops one `decode_step` of one frame dispatches,
 leaving out views (ops whose output shares its input's storage), at the real decoder size with random weights, so a
 change's effect on the launch count is seen on any machine. On the GPU, SnakeBeta and its padding are one Triton
-kernel (`engine/kernels/snake.py`) where this CPU count has ~10 ops: read the `upsample`/`blocks` rows with that in
-mind; the quantizer and the transformer rows are the GPU's own.
+kernel (`engine/kernels/conv_elementwise.py`) where this CPU count has ~10 ops: read the `upsample`/`blocks` rows
+with that in mind; the quantizer and the transformer rows are the GPU's own.
     python scripts/decoder_ops.py
     python scripts/decoder_ops.py --dtype float32
 """

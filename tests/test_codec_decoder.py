@@ -1,4 +1,6 @@
 """The streaming codec decoder equals the offline decode, whatever the piece sizes, and keeps its state bounded."""
+import copy
+
 import pytest
 import torch
 
@@ -102,3 +104,19 @@ def test_a_copied_decoder_derives_from_its_own_weights(decoder: CodecDecoder) ->
     with torch.inference_mode():
         assert torch.equal(changed.decode(codes), fresh.decode(codes))
         assert not torch.equal(changed.decode(codes), decoder.decode(codes))
+
+
+@torch.inference_mode()
+def test_the_fast_path_decodes_as_the_plain_one(decoder: CodecDecoder) -> None:
+    """The GPU's way (`use_fast_path`: 2-D convolutions of height 1 on channels-last weights, each residual unit's
+    biases moved to the kernels after its convolutions) is the same arithmetic: dilations, groups, strides, biases
+    and trimming carried over, streamed in pieces as the engine does. (The kernels themselves: test_fused_kernels.)"""
+    codes = random_codes(9, batch=2, seed=4)
+    plain = decoder.decode(codes)
+    fast = copy.deepcopy(decoder)
+    fast.use_fast_path()
+    assert any(module.fast_path for module in fast.modules() if hasattr(module, "fast_path"))
+    state = fast.new_state(batch=2)
+    streamed = torch.cat([fast.decode_step(codes[:, i:i + 4], state) for i in range(0, 9, 4)], dim=1)
+    assert relative_error(streamed, plain) < 1e-5
+    assert not any(module.fast_path for module in decoder.modules() if hasattr(module, "fast_path"))

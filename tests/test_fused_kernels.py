@@ -3,12 +3,14 @@ interpreter on the CPU (conftest sets TRITON_INTERPRET=1), in fp32 and bf16."""
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.config import TransformerConfig
 from engine.kernels.few_rows_linear import few_rows_linear
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
-from engine.kernels.snake import snake_padded
+from engine.kernels.conv_elementwise import add_bias_residual, snake_padded
 from engine.model.codec_decoder import SnakeBeta
 from engine.model.layers import Attention, RMSNorm, RotaryEmbedding, apply_rope
 from engine.sampling import SamplerBatch, choose, draw_counter
@@ -128,6 +130,58 @@ def test_snake_padded_reads_a_time_slice_of_a_wider_tensor():
     past = torch.randn(2, 5, 4, generator=generator)
     torch.testing.assert_close(snake_padded(x, snake.alpha, snake.beta, past, 4),
                                torch.cat((past, snake(x)), dim=-1), **tolerance(torch.float32))
+
+
+def _channels_minor(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(channels=st.integers(1, 130), frames=st.integers(1, 70), context=st.integers(0, 60),
+       activate=st.booleans(), has_past=st.booleans(), has_bias=st.booleans(), x_minor=st.booleans(),
+       past_minor=st.booleans(), out_minor=st.booleans(), trim=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_snake_padded_in_any_layout(channels, frames, context, activate, has_past, has_bias, x_minor, past_minor,
+                                    out_minor, trim, seed):
+    """Inputs in either layout (channels-minor as the convolutions write them, time-minor as the decoder's state
+    pool gathers them, a trimmed view), with or without a bias and SnakeBeta, give the same values as PyTorch's
+    bias add, SnakeBeta and cat, written in the layout asked: dense, and channels-minor where asked."""
+    generator = torch.Generator().manual_seed(seed)
+    snake = SnakeBeta(channels)
+    snake.alpha.data, snake.beta.data = torch.randn(2, channels, generator=generator) * 0.5
+    x = _channels_minor_or_not(torch.randn(2, channels, frames + trim, generator=generator)[..., trim:] * 3, x_minor)
+    past = torch.randn(2, channels, context, generator=generator) if has_past and context else None
+    if past is not None:
+        past = _channels_minor_or_not(past, past_minor)
+    bias = torch.randn(channels, generator=generator) if has_bias else None
+    alpha, beta = (snake.alpha, snake.beta) if activate else (None, None)
+    out = snake_padded(x, alpha, beta, past, context, channels_minor=out_minor, bias=bias)
+    new = x if bias is None else x + bias[:, None]
+    expected = torch.cat((torch.zeros(2, channels, context) if past is None else past,
+                          snake(new) if activate else new), dim=-1)
+    assert out.shape == expected.shape
+    assert out.transpose(1, 2).is_contiguous() if out_minor else out.is_contiguous()
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+@settings(max_examples=20, deadline=None)
+@given(channels=st.integers(1, 130), frames=st.integers(1, 70), x_minor=st.booleans(), residual_minor=st.booleans(),
+       trim=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_add_bias_residual_is_the_two_adds(channels, frames, x_minor, residual_minor, trim, seed):
+    """residual + (x + bias) as PyTorch computes it, bit for bit (two adds, each rounded), for a residual that is a
+    trimmed view in either layout; the output in x's layout. fp32: the interpreter truncates where it casts to bf16
+    (the GPU rounds to nearest); bf16 is compared on the GPU (`scripts/bench_engine.py --parts decoder`)."""
+    generator = torch.Generator().manual_seed(seed)
+    residual = torch.randn(2, channels, frames + trim, generator=generator)[..., trim:]
+    residual = _channels_minor_or_not(residual, residual_minor)
+    x = _channels_minor_or_not(torch.randn(2, channels, frames, generator=generator), x_minor)
+    bias = torch.randn(channels, generator=generator)
+    out = add_bias_residual(residual, x, bias)
+    assert torch.equal(out, residual + (x + bias[:, None]))
+    assert out.stride() == x.stride()
+
+
+def _channels_minor_or_not(t: torch.Tensor, channels_minor: bool) -> torch.Tensor:
+    return t.transpose(1, 2).contiguous().transpose(1, 2) if channels_minor else t
 
 
 def _random_linear(features: int, width: int, bias: bool, dtype: torch.dtype, seed: int) -> torch.nn.Linear:

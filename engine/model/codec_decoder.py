@@ -35,14 +35,23 @@ class CausalConv(nn.Module):
         self.key = key
         self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.context = (kernel - 1) * dilation
+        self.fast_path = False  # `CodecDecoder.use_fast_path`
+        self._weight_4d = Derived(_channels_last_4d)
 
-    def forward(self, x: torch.Tensor, state: DecoderState, activation: SnakeBeta | None = None) -> torch.Tensor:
-        """`activation`, if given, is applied to x first (fused with the padding on a GPU)."""
-        if self.context == 0:
-            return self.conv(padded(x, None, 0, activation))
-        x = padded(x, state.history.get(self.key), self.context, activation)
-        state.history[self.key] = x[..., -self.context:]
-        return self.conv(x)
+    def forward(self, x: torch.Tensor, state: DecoderState, activation: SnakeBeta | None = None,
+                input_bias: torch.Tensor | None = None, add_bias: bool = True) -> torch.Tensor:
+        """`activation`, if given, is applied to x first (fused with the padding on a GPU), after `input_bias` (the
+        bias that the convolution which made x left out); `add_bias=False` leaves this convolution's own out."""
+        past = state.history.get(self.key) if self.context else None
+        x = padded(x, past, self.context, activation, self.fast_path, input_bias)
+        if self.context:
+            state.history[self.key] = x[..., -self.context:]
+        conv = self.conv
+        bias = conv.bias if add_bias else None
+        if not self.fast_path:
+            return F.conv1d(x, conv.weight, bias, dilation=conv.dilation, groups=conv.groups)
+        return F.conv2d(x.unsqueeze(2), self._weight_4d(conv.weight), bias, dilation=(1, conv.dilation[0]),
+                        groups=conv.groups).squeeze(2)
 
 
 class CausalTransposedConv(nn.Module):
@@ -54,17 +63,31 @@ class CausalTransposedConv(nn.Module):
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.stride = stride
         self.overlap = kernel // stride - 1  # previous input frames that still reach the new outputs
+        self.fast_path = False  # `CodecDecoder.use_fast_path`
+        self._weight_4d = Derived(_channels_last_4d)
 
     def forward(self, x: torch.Tensor, state: DecoderState, activation: SnakeBeta | None = None) -> torch.Tensor:
         """`activation`, if given, is applied to x first (fused with the padding on a GPU)."""
         n = x.shape[-1]
-        if self.overlap == 0:
-            return self.conv(padded(x, None, 0, activation))[..., : n * self.stride]
         # A zero past input contributes nothing; the bias is added once per output either way.
-        x = padded(x, state.history.get(self.key), self.overlap, activation)
-        state.history[self.key] = x[..., -self.overlap:]
+        past = state.history.get(self.key) if self.overlap else None
+        x = padded(x, past, self.overlap, activation, self.fast_path)
+        if self.overlap:
+            state.history[self.key] = x[..., -self.overlap:]
         start = self.overlap * self.stride
-        return self.conv(x)[..., start: start + n * self.stride]
+        return self._convolve(x)[..., start: start + n * self.stride]
+
+    def _convolve(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fast_path:
+            return self.conv(x)
+        return F.conv_transpose2d(x.unsqueeze(2), self._weight_4d(self.conv.weight), self.conv.bias,
+                                  stride=(1, self.stride)).squeeze(2)
+
+
+def _channels_last_4d(weight: torch.Tensor) -> torch.Tensor:
+    """A 1-D convolution's weight [out, in, kernel] as a 2-D one of height 1, channels-last: with its input in the
+    same layout, cuDNN runs the convolution without converting either (`CodecDecoder.use_fast_path`)."""
+    return weight.unsqueeze(2).contiguous(memory_format=torch.channels_last)
 
 
 class SnakeBeta(nn.Module):
@@ -79,12 +102,17 @@ class SnakeBeta(nn.Module):
         return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
 
 
-def padded(x: torch.Tensor, past: torch.Tensor | None, context: int, activation: SnakeBeta | None) -> torch.Tensor:
-    """A causal convolution's input: cat(past, activation(x)) along time, zeros for a missing past. On a GPU an
-    activation and the padding are one Triton kernel (`engine/kernels/snake.py`), the decoder's largest saving."""
-    if activation is not None and x.is_cuda:
-        from engine.kernels.snake import snake_padded  # imported here: Triton is only needed where it runs
-        return snake_padded(x, activation.alpha, activation.beta, past, context)
+def padded(x: torch.Tensor, past: torch.Tensor | None, context: int, activation: SnakeBeta | None,
+           channels_minor: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A causal convolution's input: cat(past, activation(x + bias)) along time, zeros for a missing past. On a GPU
+    the bias, the activation and the padding are one Triton kernel (`engine/kernels/conv_elementwise.py`), the
+    decoder's largest saving, which also writes the layout the convolution reads (`channels_minor`)."""
+    if x.is_cuda and (activation is not None or context or bias is not None):
+        from engine.kernels.conv_elementwise import snake_padded  # imported here: Triton only where it runs
+        alpha, beta = (None, None) if activation is None else (activation.alpha, activation.beta)
+        return snake_padded(x, alpha, beta, past, context, channels_minor, bias)
+    if bias is not None:
+        x = x + bias[:, None]
     if activation is not None:
         x = activation(x)
     if context == 0:
@@ -92,6 +120,14 @@ def padded(x: torch.Tensor, past: torch.Tensor | None, context: int, activation:
     if past is None:
         past = x.new_zeros(x.shape[0], x.shape[1], context)
     return torch.cat((past, x), dim=-1)
+
+
+def bias_residual(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """residual + (x + bias): one Triton kernel on a GPU, where PyTorch's broadcast bias add is a slow one."""
+    if x.is_cuda:
+        from engine.kernels.conv_elementwise import add_bias_residual
+        return add_bias_residual(residual, x, bias)
+    return residual + (x + bias[:, None])
 
 
 class ConvNeXtBlock(nn.Module):
@@ -118,7 +154,12 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(key + ".pw", dim, dim, 1)
 
     def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
-        return x + self.conv2(self.conv1(x, state, self.act1), state, self.act2)
+        if not self.conv1.fast_path:
+            return x + self.conv2(self.conv1(x, state, self.act1), state, self.act2)
+        # each convolution's bias goes to the kernel after it: one pass over the activation fewer each
+        hidden = self.conv1(x, state, self.act1, add_bias=False)
+        out = self.conv2(hidden, state, self.act2, input_bias=self.conv1.conv.bias, add_bias=False)
+        return bias_residual(x, out, self.conv2.conv.bias)
 
 
 class UpsampleBlock(nn.Module):
@@ -331,6 +372,18 @@ class CodecDecoder(nn.Module):
     @property
     def samples_per_frame(self) -> int:
         return self.cfg.samples_per_frame
+
+    def use_fast_path(self, on: bool = True) -> None:
+        """The GPU's way to run the convolutions: on activations stored channels-minor ([B, C, T] in the memory of
+        [B, T, C]) as 2-D convolutions of height 1 on channels-last weights, which cuDNN runs without converting
+        layouts, and with each residual unit's biases added by the kernels after its convolutions (together 1.47x
+        for the whole decoder at 256 x 4 frames on an H100, docs/benchmarks.md). The transformer's output is in that
+        layout already, and the padding kernel writes it. A grouped convolution (ConvNeXt's depthwise one, on few
+        columns) stays as it is: cuDNN's channels-last kernels for it are slow. The arithmetic is the plain path's:
+        the tests check it on the CPU."""
+        for module in self.modules():
+            if isinstance(module, (CausalConv, CausalTransposedConv)):
+                module.fast_path = on and module.conv.groups == 1
 
     def new_state(self, batch: int = 1, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> DecoderState:
