@@ -21,6 +21,9 @@ import torch
 from engine.model.codec_decoder import CodecDecoder, DecoderState
 
 DECODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# cuDNN algorithms timed per convolution shape at capture: its 3 best-ranked were as fast as its default 10, and the
+# server starts 13 s sooner (docs/benchmarks.md)
+BENCHMARK_LIMIT = 3
 
 
 class _Graph:
@@ -112,7 +115,10 @@ class DecoderPool:
         pool = torch.cuda.graph_pool_handle()  # replays run in order on one stream; each output is copied out first
         quantizers = self.decoder.cfg.num_quantizers
         for size, frames in [(b, n) for b in DECODER_BUCKETS if b <= slots for n in chunk_lengths]:
-            with torch.backends.cudnn.flags(enabled=True, benchmark=True):  # the fastest conv kernels, once
+            # the fastest conv kernels, timed once; the other cuDNN settings as they are
+            with torch.backends.cudnn.flags(enabled=True, benchmark=True, benchmark_limit=BENCHMARK_LIMIT,
+                                            deterministic=torch.backends.cudnn.deterministic,
+                                            allow_tf32=torch.backends.cudnn.allow_tf32):
                 graph = _Graph(size, frames, self.scratch_slot, quantizers, device)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
