@@ -84,7 +84,6 @@ class TTSModel:
         target = torch.device(device)
         talker = talker.to(target, dtype).eval()
         decoder = decoder.to(target, dtype).eval()
-        decoder.use_fast_path(target.type == "cuda")
         return cls(model_dir, config, speech, talker, decoder, tokenizer, target, dtype)
 
     @property

@@ -111,6 +111,16 @@ class DecoderPool:
 
     @torch.inference_mode()
     def _capture(self, slots: int, chunk_lengths: tuple[int, ...], device: torch.device) -> None:
+        """The graphs run the decoder's fast path (`CodecDecoder.use_fast_path`) with the convolution algorithms
+        timed here; eager calls (a voice-clone reference, once per request) keep the plain path: without timing, cuDNN's
+        heuristics pick channels-last kernels 7-16x slower than the plain path's (docs/benchmarks.md)."""
+        self.decoder.use_fast_path()
+        try:
+            self._capture_graphs(slots, chunk_lengths, device)
+        finally:
+            self.decoder.use_fast_path(False)
+
+    def _capture_graphs(self, slots: int, chunk_lengths: tuple[int, ...], device: torch.device) -> None:
         stream = torch.cuda.Stream()
         pool = torch.cuda.graph_pool_handle()  # replays run in order on one stream; each output is copied out first
         quantizers = self.decoder.cfg.num_quantizers

@@ -379,8 +379,9 @@ class CodecDecoder(nn.Module):
         layouts, and with each residual unit's biases added by the kernels after its convolutions (together 1.47x
         for the whole decoder at 256 x 4 frames on an H100, docs/benchmarks.md). The transformer's output is in that
         layout already, and the padding kernel writes it. A grouped convolution (ConvNeXt's depthwise one, on few
-        columns) stays as it is: cuDNN's channels-last kernels for it are slow. The arithmetic is the plain path's:
-        the tests check it on the CPU."""
+        columns) stays as it is: cuDNN's channels-last kernels for it are slow. Only for calls whose convolution
+        algorithms were timed (the decoder pool's CUDA graphs): cuDNN's untimed picks in this layout are slower than
+        the plain path. The arithmetic is the plain path's: the tests check it on the CPU."""
         for module in self.modules():
             if isinstance(module, (CausalConv, CausalTransposedConv)):
                 module.fast_path = on and module.conv.groups == 1
