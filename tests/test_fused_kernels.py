@@ -10,7 +10,7 @@ from engine.config import TransformerConfig
 from engine.kernels.few_rows_linear import few_rows_linear
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
-from engine.kernels.conv_elementwise import add_bias_residual, snake_padded
+from engine.kernels.conv_elementwise import _grid, add_bias_residual, snake_padded
 from engine.model.codec_decoder import SnakeBeta
 from engine.model.layers import Attention, RMSNorm, RotaryEmbedding, apply_rope
 from engine.sampling import SamplerBatch, choose, draw_counter
@@ -132,10 +132,6 @@ def test_snake_padded_reads_a_time_slice_of_a_wider_tensor():
                                torch.cat((past, snake(x)), dim=-1), **tolerance(torch.float32))
 
 
-def _channels_minor(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
-
-
 @settings(max_examples=25, deadline=None)
 @given(channels=st.integers(1, 130), frames=st.integers(1, 70), context=st.integers(0, 60),
        activate=st.booleans(), has_past=st.booleans(), has_bias=st.booleans(), x_minor=st.booleans(),
@@ -178,6 +174,16 @@ def test_add_bias_residual_is_the_two_adds(channels, frames, x_minor, residual_m
     out = add_bias_residual(residual, x, bias)
     assert torch.equal(out, residual + (x + bias[:, None]))
     assert out.stride() == x.stride()
+
+
+@pytest.mark.parametrize("batch, frames", [(1, 8192), (257, 4), (257, 64)])
+def test_conv_kernel_grids_fit_cuda_limits(batch, frames):
+    """A whole-utterance decode (`voxgate synthesize`: up to 8,192 frames, the last block's 96 channels at 1,920 columns
+    a frame) and the largest batch stay within CUDA's grid: 2**31 - 1 programs on the first axis, 65,535 on the others
+    (a time axis there failed from 2,185 frames on)."""
+    for channels in (96, 1536):
+        first, second, third = _grid(batch, channels, frames * 1920 + 54)
+        assert first < 2**31 and second <= 65_535 and third <= 65_535
 
 
 def _channels_minor_or_not(t: torch.Tensor, channels_minor: bool) -> torch.Tensor:
