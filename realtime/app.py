@@ -12,7 +12,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
@@ -24,7 +24,7 @@ from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway
 from realtime.lexicons_http import delete_lexicon, list_lexicons, show_lexicon, store_lexicon
 from realtime.speech_http import parse_speech_request, start_speech
-from realtime.speech_response import CountedStream, Delivery, speech_response
+from realtime.speech_response import CLIENT_GONE, CountedStream, Delivery, speech_response
 from realtime.voice_library import read_upload
 from realtime.ws.protocol import (
     CLOSE_OVERLOADED,
@@ -180,13 +180,16 @@ async def _routing_refusal(request: Request, failure: HTTPException) -> Response
 
 async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable[[], Awaitable[Response]],
                 needs_model: bool = True) -> Response:
-    """An API request after the key and readiness checks; a refusal (HTTPFailure) as its JSON, counted by code."""
+    """An API request after the key and readiness checks; a refusal (HTTPFailure) as its JSON, counted by code. A
+    client that leaves before its body has arrived gets nothing (there is no one to answer), counted as 499."""
     try:
         _check_access(request, gateway, auth, needs_model)
         return await handle()
     except HTTPFailure as failure:
         gateway.metrics.http.error(failure.code)
         return JSONResponse(failure.body(), status_code=failure.status)
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_GONE)
 
 
 async def _client_gone(request: Request) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -334,4 +335,26 @@ def test_hostile_speech_bodies_get_specific_errors_and_hurt_no_one(server, healt
         error = json.loads(payload)["error"]
         assert status in (400, 413, 503) and error["code"] in ERROR_CODES and error["code"] not in NEVER, \
             (status, error)
+    assert server.process.poll() is None
+
+
+# --- bodies cut short ---------------------------------------------------------------------------------------------
+
+BODY_ROUTES = ["/v1/audio/speech", "/v1/lexicons", "/v1/audio/voices"]
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(BODY_ROUTES), sent=st.binary(max_size=200), missing=st.one_of(st.integers(1, 1000), st.integers(1, 10**6)),
+       multipart=st.booleans())
+def test_a_client_that_leaves_mid_body_gets_no_traceback(server, route, sent, missing, multipart):
+    """A client that declares a body and leaves before all of it arrived: nothing to answer, no error logged (the
+    module's server log is checked for tracebacks when it stops), and the server goes on serving."""
+    content_type = "multipart/form-data; boundary=b" if multipart else "application/json"
+    head = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(sent) + missing}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=EXAMPLE_TIMEOUT_S) as raw:
+        raw.sendall(head + sent)
+        time.sleep(0.05)  # the server reads what came, then waits for the rest
+    assert server.get("/health")[0] == 200
     assert server.process.poll() is None
