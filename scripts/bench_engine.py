@@ -8,7 +8,7 @@ batch), `load` (Poisson arrivals: TTFA percentiles and streams that never underr
 streaming-text requests), `decoder` (the codec decoder alone: time per graphed call by batch and chunk length,
 its arithmetic rate, and its agreement with an fp32 decode on the CPU). Usage:
     python scripts/bench_engine.py --size 1b7 --parts check,single,scaling,offline,load --rates 10,20,40
-    python scripts/bench_engine.py --size 1b7 --parts decoder
+    python scripts/bench_engine.py --size 1b7 --parts decoder,eager_decoder
     python scripts/bench_engine.py --size 1b7 --parts first_audio --repeats 20
     python scripts/bench_engine.py --size 1b7 --parts streaming --sessions 10,40 --token-rates 20-80,5-10
 """
@@ -48,6 +48,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while music plays softly in 
 SAMPLE_RATE = 24000
 FRAME_S = 0.08
 DECODER_SHAPES = ((1, 1), (1, 4), (64, 4), (128, 4), (256, 1), (256, 4))  # (batch, frames per call)
+EAGER_DECODER_SHAPES = ((1, 3), (1, 100), (1, 250), (8, 3))  # lengths with no graph: a reference's, a final flush's
 
 
 def text_of(seconds: float, rng: random.Random) -> str:
@@ -318,28 +319,48 @@ class Bench:
         of one call by (batch, frames), with the codes' upload; audio seconds per wall second; TFLOP/s from the
         FLOPs PyTorch counts for one frame. Then how far its audio is from an fp32 decode on the CPU."""
         tts = self.tts
-        quantizers, codebook = tts.decoder.cfg.num_quantizers, tts.decoder.cfg.codebook_size
-        pool = DecoderPool(tts.decoder, 256, tts.device, tts.dtype, capture=tts.device.type == "cuda",
-                           chunk_lengths=(1, 4))
+        pool = self._decoder_pool(capture=self.tts.device.type == "cuda")
         flops = decoder_flops_per_frame(tts)
         out: dict = dict(gflop_per_frame=flops / 1e9)
         generator = torch.Generator().manual_seed(0)
-        for batch, frames in DECODER_SHAPES:
-            codes = torch.randint(0, codebook, (batch, frames, quantizers), generator=generator)
-            slots = list(range(batch))
-            times = []
-            for repeat in range(self.args.repeats + 3):
-                synchronize()
-                start = time.perf_counter()
-                pool.decode(slots, codes)
-                synchronize()
-                if repeat >= 3:  # the first calls warm up
-                    times.append(time.perf_counter() - start)
-            seconds = percentile(times, 50)
+        for (batch, frames), times in self._time_decodes(pool, DECODER_SHAPES, generator).items():
+            seconds = percentile(times[3:], 50)  # the first calls warm up
             out[f"{batch}x{frames}"] = dict(ms_per_call=seconds * 1e3,
                                             audio_s_per_wall_s=batch * frames * FRAME_S / seconds,
                                             tflop_s=flops * batch * frames / seconds / 1e12)
         out["agreement"] = decoder_agreement(tts, generator)
+        return out
+
+    def eager_decoder(self) -> dict:
+        """Decodes of lengths that have no graph, as a voice-clone reference's decode runs (once per request, in
+        the step loop, one request a call): the first call's time (cuDNN's heuristics, no timing) and the median of
+        the later ones. A slow one here stalls every stream of the engine."""
+        pool = self._decoder_pool(capture=False)  # a captured pool's eager calls run the same path
+        generator = torch.Generator().manual_seed(0)
+        return {f"{batch}x{frames}": dict(first_ms=times[0] * 1e3, later_ms=percentile(times[1:], 50) * 1e3)
+                for (batch, frames), times in self._time_decodes(pool, EAGER_DECODER_SHAPES, generator).items()}
+
+    def _decoder_pool(self, capture: bool) -> DecoderPool:
+        tts = self.tts
+        return DecoderPool(tts.decoder, 256, tts.device, tts.dtype, capture=capture, chunk_lengths=(1, 4))
+
+    def _time_decodes(self, pool: DecoderPool, shapes: tuple[tuple[int, int], ...], generator: torch.Generator
+                      ) -> dict[tuple[int, int], list[float]]:
+        """Seconds of each of `repeats + 3` calls per (batch, frames), codes upload included, on fresh states."""
+        quantizers, codebook = self.tts.decoder.cfg.num_quantizers, self.tts.decoder.cfg.codebook_size
+        out = {}
+        for batch, frames in shapes:
+            codes = torch.randint(0, codebook, (batch, frames, quantizers), generator=generator)
+            slots = list(range(batch))
+            times = []
+            for _ in range(self.args.repeats + 3):
+                pool.reset(slots)
+                synchronize()
+                start = time.perf_counter()
+                pool.decode(slots, codes)
+                synchronize()
+                times.append(time.perf_counter() - start)
+            out[(batch, frames)] = times
         return out
 
     def load(self, rate: float) -> dict:
