@@ -110,6 +110,19 @@ def test_edge_marks_go_as_the_rule_says_in_linear_time(word):
     assert time.perf_counter() - started < 0.5
 
 
+@pytest.mark.parametrize("unit", ["](", "[x](", "](a", "](" + "a" * 50, "[a](b(c)"])
+def test_link_targets_go_in_linear_time(unit):
+    """A link's target goes wherever it is in a word, and a word of 40,000 characters made of link openings is
+    cleaned in a blink (the target's pattern ran on over every later `](`: quadratic, seconds of the step)."""
+    from engine.text.cleanup import clean_text
+
+    assert clean_text("[the docs](https://example.com/a_b?c=1), then x[y](z)w.") == "the docs, then xyw."
+    hostile = unit * (40_000 // len(unit))
+    started = time.perf_counter()
+    clean_text(hostile)
+    assert time.perf_counter() - started < 0.5
+
+
 @pytest.mark.parametrize("how", ["chars", "random"])
 def test_cleaned_feed_equals_cleaning_the_whole_text(tokenizer, how):
     from engine.text.cleanup import clean_text

@@ -18,7 +18,9 @@ import re
 _LINE_MARKER = re.compile(r"#{1,6}|[-*+>]|\d{1,3}[.)]|```\w*")
 _MARKS = "*_~`"  # emphasis and code
 _NO_MARKS = str.maketrans("", "", _MARKS)
-_LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
+# a target stops at the next bracket or parenthesis, so the targets tried from each `](` never overlap and a word
+# costs linear time (one running on over later `](` made a word of 16,000 characters take seconds of the step)
+_LINK_TARGET = re.compile(r"\]\([^()\[\]\s]*\)")
 _URL = re.compile(r"^(?:https?://|www\.)(?:www\.)?([^/\s?#:]+)\S*$")
 _EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF\u2B00-\u2BFF\uFE0E\uFE0F\u200D\u20E3\U000E0020-\U000E007F]")
 _WORDS = re.compile(r"(\s+)")
