@@ -12,7 +12,7 @@ import numpy as np
 import opuslib_next as opuslib
 import pytest
 import soundfile as sf
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -378,6 +378,24 @@ def test_a_first_append_with_a_lone_surrogate_names_its_context_and_creates_none
 NOT_UTF8 = st.sampled_from([b"\xff", b"\xc3", b"\xc3(", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80",
                              b"\xc0\xaf", b"\xf4\x90\x80\x80"]) | st.binary(min_size=1).filter(
     lambda raw: not _decodes(raw))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(context_id=st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=128).filter(
+    lambda c: c != "*"))
+@example(context_id="\0close")  # was the sender's own stop marker: the session's socket dropped with no close frame
+def test_any_context_id_speaks_to_its_done_and_the_session_goes_on(server, context_id):
+    """PROTOCOL.md: a context id is any string of 1 to 128 characters; none of them means anything to the server."""
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id=context_id, text="Hi there.", flush=True)
+        await conn.send(type="context.end", context_id=context_id)
+        events = await conn.until(done_of(context_id))
+        assert events[-1]["type"] == "context.done" and any(e["type"] == "binary" for e in events), events[-3:]
+        await conn.send(type="ping", id="p")
+        assert (await conn.until(lambda e: e["type"] == "pong"))[-1]["id"] == "p"
+        await conn.ws.close()
+    run(go())
 
 
 def _decodes(raw: bytes) -> bool:

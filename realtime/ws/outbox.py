@@ -15,6 +15,7 @@ class Outgoing:
     context_id: str | None = None
     audio_ms: float = 0.0
     on_sent: Callable[[], None] | None = None  # e.g. record time to first audio when the frame really leaves
+    closes: bool = False  # the sender stops here (a field, not a context id: any string is a client's context id)
 
 
 class Outbox:

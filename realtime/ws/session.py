@@ -104,7 +104,7 @@ class Session:
         try:
             while True:
                 item = await self.outbox.get()
-                if item.context_id == _CLOSE:
+                if item.closes:
                     return
                 if isinstance(item.payload, bytes):
                     await self.ws.send_bytes(item.payload)
@@ -122,7 +122,7 @@ class Session:
         """Close once everything queued so far has been sent."""
         if self._close is None:
             self._close = (code, reason)
-            self.outbox.put(Outgoing("", _CLOSE))
+            self.outbox.put(Outgoing("", closes=True))
 
     def abort(self, failure: ProtocolError, code: int) -> None:
         """A fatal error: sent ahead of queued audio (after a warning still queued, which explains it), then the
@@ -133,7 +133,7 @@ class Session:
         self.gateway.metrics.socket.error(failure.code)
         self._close = (code, failure.message[:120])
         self.outbox.put_event(error_event(failure), urgent=True)
-        self.outbox.put(Outgoing("", _CLOSE), urgent=True)
+        self.outbox.put(Outgoing("", closes=True), urgent=True)
         self.slow.warning_first()
         # a peer that reads nothing would keep the error queued forever: close without it after a moment
         asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._sender_task.cancel)
@@ -296,7 +296,6 @@ class Session:
         self.outbox.put_event(error_event(failure, event_id))
 
 
-_CLOSE = "\0close"  # the outbox item after which the sender stops
 # what a session still takes once a graceful close began: stopping what it is finishing (barge-in, abort)
 WHILE_CLOSING = frozenset({"context.cancel", "session.close", "keepalive", "ping"})
 # message type -> its handler (protocol.MESSAGES lists the same types)
