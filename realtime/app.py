@@ -173,9 +173,9 @@ def create_app(gateway: Gateway) -> Starlette:
 
 async def _routing_refusal(request: Request, failure: HTTPException) -> Response:
     """Starlette's own refusals (no such route, a method the route does not take) as the API's JSON errors."""
-    message = f"{failure.detail}: {request.method} {request.url.path[:200]}"
-    return JSONResponse({"error": {"code": "invalid_message", "message": message}}, failure.status_code,
-                        headers=failure.headers)
+    refusal = HTTPFailure(failure.status_code, "invalid_message",
+                          f"{failure.detail}: {request.method} {request.url.path[:200]}")
+    return JSONResponse(refusal.body(), failure.status_code, headers=failure.headers)
 
 
 async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable[[], Awaitable[Response]],

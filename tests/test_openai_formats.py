@@ -274,7 +274,9 @@ def test_unknown_routes_and_methods_get_the_apis_json_errors(server):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(urllib.request.Request(server.http + path, method=method), timeout=30)
         assert refused.value.code == status
-        assert json.loads(refused.value.read())["error"]["code"] == "invalid_message"
+        error = json.loads(refused.value.read())["error"]
+        assert error["code"] == "invalid_message" and error["type"] == "invalid_request_error", error
+        assert "param" in error and error["param"] is None and method in error["message"], error  # OpenAI's shape
         if status == 405:
             assert "POST" in refused.value.headers["Allow"]
 
