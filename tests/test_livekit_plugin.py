@@ -9,7 +9,7 @@ import socket
 import aiohttp
 import numpy as np
 import pytest
-from livekit.agents import APIConnectionError, APIError, APIStatusError
+from livekit.agents import APIConnectionError, APIError, APIStatusError, APITimeoutError
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT, APIConnectOptions
 
 from realtime.gateway import Limits
@@ -247,3 +247,41 @@ def test_synthesize_of_blank_text_is_no_audio_and_no_error(server):
             return [event async for event in voxgate.synthesize("  ")]
 
     assert asyncio.run(go()) == []
+
+
+def test_a_chinese_transcript_keeps_its_words_together(server):
+    """The server's CJK words are a character and its punctuation each: LiveKit's transcript joins its timed words
+    as they are, so only the other words carry a space after them."""
+    async def go():
+        async with TTS(base_url=server.http) as voxgate:
+            stream = voxgate.stream()
+            stream.push_text("你好。今天天气很好。")
+            stream.end_input()
+            events = [event async for event in stream]
+            await stream.aclose()
+        return events
+
+    words = [w for e in asyncio.run(go()) for w in e.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+    assert "".join(words) == "你好。今天天气很好。"
+
+
+def test_synthesize_from_a_server_that_stalls_mid_body_times_out():
+    """A response whose headers came and whose body stops: the read times out into LiveKit's retry rules (with a
+    timeout on the connection alone the stream waited forever)."""
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: audio/pcm\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n\0\0\0\0\r\n")
+        await writer.drain()
+        await asyncio.sleep(60)
+
+    async def go():
+        server = await asyncio.start_server(stall, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, aiohttp.ClientSession() as http, TTS(base_url=f"http://127.0.0.1:{port}",
+                                                                http_session=http) as voxgate:
+            options = APIConnectOptions(max_retry=0, timeout=0.5)
+            await asyncio.wait_for(voxgate.synthesize(TEXT, conn_options=options).collect(), 20)
+
+    with pytest.raises(APIError) as failure:
+        asyncio.run(go())
+    assert isinstance(failure.value, (APITimeoutError, APIConnectionError)) and failure.value.retryable

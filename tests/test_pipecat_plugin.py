@@ -344,3 +344,43 @@ def test_a_turn_that_dialed_during_a_reconnect_keeps_its_socket(server):
 
     dialed, kept, after = asyncio.run(go())
     assert dialed is not None and kept and after is dialed
+
+
+def test_an_interruption_right_after_a_short_turn_is_sent_still_cancels_it(server):
+    """A turn whose text went out with its end (`context.end`), interrupted at once, before the server's
+    `context.started` came back: the plugin knew the context in neither of its sets, and the server spoke it all for
+    nobody (a compatibility review's finding: 16 s of audio, an engine slot held). The cancel goes out regardless."""
+    async def go():
+        tts = VoxgateTTSService(url=server.ws)
+        ended = asyncio.Event()
+        send = tts._send
+
+        async def noting_the_end(type_: str, **fields: Any) -> None:
+            await send(type_, **fields)
+            if type_ == "context.end":
+                ended.set()
+
+        tts._send = noting_the_end
+        # the server's context.started comes back only after the interruption (a slow network, made certain here)
+        interrupted = asyncio.Event()
+        on_event, on_interrupted = tts._on_event, tts.on_audio_context_interrupted
+
+        async def started_late(event: dict[str, Any]) -> None:
+            if event.get("type") == "context.started":
+                await asyncio.wait_for(interrupted.wait(), 30)
+            await on_event(event)
+
+        async def noting_the_interruption(context_id: str) -> None:
+            await on_interrupted(context_id)
+            interrupted.set()
+
+        tts._on_event, tts.on_audio_context_interrupted = started_late, noting_the_interruption
+        async with Run(tts, 24000) as run:
+            await run.worker.queue_frame(TTSSpeakFrame(LONG_REPLY))
+            await asyncio.wait_for(ended.wait(), 30)
+            await run.worker.queue_frame(InterruptionFrame())
+            await asyncio.wait_for(run.until_finished(1), 30)
+        return run
+
+    (closing,) = asyncio.run(go()).finished.values()
+    assert closing["type"] == "context.cancelled" and closing["reason"] == "client", closing

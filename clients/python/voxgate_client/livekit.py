@@ -39,6 +39,7 @@ from voxgate_client.protocol import (
     keepalive_interval_s,
     parse_frame,
 )
+from voxgate_client.words import spaced
 
 logger = logging.getLogger(__name__)
 HTTP_PCM_RATE = 24000  # POST /v1/audio/speech sends pcm as s16le at the model's rate
@@ -164,7 +165,9 @@ class ChunkedStream(tts.ChunkedStream):
             async with self._tts.http_session().post(
                     self._tts.base_url + "/v1/audio/speech", headers=auth_headers(self._tts.api_key),
                     json={k: v for k, v in body.items() if v is not None},
-                    timeout=aiohttp.ClientTimeout(sock_connect=self._conn_options.timeout)) as response:
+                    # each read too: a server that stalls mid-body ends in LiveKit's retry, not a hang
+                    timeout=aiohttp.ClientTimeout(sock_connect=self._conn_options.timeout,
+                                                  sock_read=self._conn_options.timeout)) as response:
                 if response.status != 200:
                     raise await _status_error(response)
                 async for chunk in response.content.iter_any():
@@ -253,12 +256,17 @@ class SynthesizeStream(tts.SynthesizeStream):
                     stream_id = event["stream_id"]
                 elif kind == "timestamps":
                     output_emitter.push_timed_transcript(
-                        [TimedString(text=word + " ", start_time=start, end_time=end)
+                        [TimedString(text=spaced(word), start_time=start, end_time=end)
                          for word, start, end in zip(event["words"], event["start"], event["end"])])
                 elif kind == "context.done":
                     self.closing_event = event
                     output_emitter.end_segment()
                     return
+                elif kind == "context.cancelled":  # by the server: its shutdown (retry elsewhere) or a fault
+                    reason = event.get("reason")
+                    if reason in ("shutdown", "timeout"):
+                        raise APIConnectionError(f"voxgate cancelled the context ({reason})")
+                    raise APIError(f"voxgate cancelled the context ({reason})", body=event, retryable=False)
                 elif kind == "error" and (event.get("fatal") or stream_id is None):
                     raise APIError(f"voxgate {event.get('code')}: {event.get('message')}", body=event,
                                    retryable=False)

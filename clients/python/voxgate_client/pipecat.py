@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import unicodedata
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -44,6 +43,7 @@ from voxgate_client.protocol import (
     keepalive_interval_s,
     parse_frame,
 )
+from voxgate_client.words import is_wide
 
 STOP_FRAME_TIMEOUT_S = 10.0
 
@@ -189,10 +189,12 @@ class VoxgateTTSService(WebsocketTTSService):
             await self._send("context.end", context_id=context_id)
 
     async def on_audio_context_interrupted(self, context_id: str) -> None:
-        """Barge-in: the server stops the context; its late audio finds no audio context here and is dropped."""
+        """Barge-in: the server stops the context; its late audio finds no audio context here and is dropped. The
+        cancel goes out whatever is known of the context here: a turn already ended (`context.end` sent) may not be
+        started yet, and the server acks a cancel of any id."""
         await self.stop_all_metrics()
-        if context_id in self._open_contexts or context_id in self._started_contexts:
-            self._open_contexts.pop(context_id, None)
+        self._open_contexts.pop(context_id, None)
+        if self._websocket and self._websocket.state is State.OPEN:
             await self._send("context.cancel", context_id=context_id)
         await super().on_audio_context_interrupted(context_id)
 
@@ -237,7 +239,7 @@ class VoxgateTTSService(WebsocketTTSService):
         its punctuation, no spaces between them) say so, so that the turn's text in the LLM context stays as
         written."""
         words = list(zip(event["words"], event["start"]))
-        for wide, run in itertools.groupby(words, key=lambda word: _is_wide(word[0][0])):
+        for wide, run in itertools.groupby(words, key=lambda word: is_wide(word[0][0])):
             await self.add_word_timestamps(list(run), context_id, includes_inter_frame_spaces=True if wide else None)
 
     async def _on_error(self, event: dict[str, Any]) -> None:
@@ -269,10 +271,6 @@ class VoxgateTTSService(WebsocketTTSService):
 def join_sentence(sent: str, sentence: str) -> str:
     """The next sentence as appended after `sent`: Pipecat's sentences come without the space between them
     ("Sure!" then "The"), so one is put back, except where either side has one or the text is CJK (no spaces)."""
-    if not sent or sent[-1].isspace() or sentence[:1].isspace() or _is_wide(sent[-1]):
+    if not sent or sent[-1].isspace() or sentence[:1].isspace() or is_wide(sent[-1]):
         return sentence
     return " " + sentence
-
-
-def _is_wide(character: str) -> bool:
-    return unicodedata.east_asian_width(character) in ("W", "F")
