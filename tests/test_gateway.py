@@ -280,6 +280,26 @@ def test_flush_mark_and_unknown_contexts(server):
     run(go())
 
 
+def test_every_ack_echoes_the_event_id_of_the_message_it_answers(server):
+    """PROTOCOL.md: an optional event_id on a client message is echoed on the ack it causes: context.flushed (of a
+    flush, or an append with flush), mark, context.done (of context.end), session.closed (of session.close)."""
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="e", text="First part.", flush=True, event_id="append-1")
+        assert (await conn.until(lambda e: e["type"] == "context.flushed"))[-1]["event_id"] == "append-1"
+        await conn.send(type="text.append", context_id="e", text="Second part.")
+        await conn.send(type="context.flush", context_id="e", event_id=7)
+        assert (await conn.until(lambda e: e["type"] == "context.flushed"))[-1]["event_id"] == 7
+        await conn.send(type="text.append", context_id="e", text="Third")
+        await conn.send(type="mark", context_id="e", name="m", event_id="mark-1")
+        assert (await conn.until(lambda e: e["type"] == "mark"))[-1]["event_id"] == "mark-1"
+        await conn.send(type="context.end", context_id="e", event_id="end-1")
+        assert (await conn.until(done_of("e")))[-1]["event_id"] == "end-1"
+        await conn.send(type="session.close", event_id="close-1")
+        assert (await conn.until(lambda e: e["type"] == "session.closed"))[-1]["event_id"] == "close-1"
+    run(go())
+
+
 @pytest.mark.parametrize("raw, code", [
     ("{not json", "invalid_json"),
     ('{"type": "dance"}', "unknown_type"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from realtime.audio.formats import MODEL_SAMPLE_RATE, EncodedFrame
 from realtime.errors import engine_error
@@ -37,6 +38,7 @@ class SessionContext:
         self.stats = ContextStats()
         self.text_chars = 0
         self.ended = False  # no more text (context.end)
+        self.end_event_id: Any = None  # the context.end's, echoed on context.done
         self.cancelled = False
         self.words = WordTimeline()
         self.timestamps = timestamps
@@ -52,16 +54,18 @@ class SessionContext:
             self.speech.append(text)
         self.stats.note_speaking(self.speech.planner)
 
-    def flush(self) -> None:
-        self.speech.flush()
+    def flush(self, event_id: Any = None) -> None:
+        """`event_id`: the client message's, echoed on its `context.flushed` (as on a `mark` and `context.done`)."""
+        self.speech.flush(event_id)
         self.stats.note_speaking(self.speech.planner)
 
-    def mark(self, name: str) -> None:
-        self.speech.mark(name)
+    def mark(self, name: str, event_id: Any = None) -> None:
+        self.speech.mark(name, event_id)
         self.stats.note_speaking(self.speech.planner)
 
-    def end(self) -> None:
+    def end(self, event_id: Any = None) -> None:
         self.ended = True
+        self.end_event_id = event_id
         self.speech.end()
         self.stats.note_speaking(self.speech.planner)
 
@@ -131,10 +135,12 @@ class SessionContext:
         if self.cancelled:
             return
         if marker.kind == "flush":
-            self._queue(event("context.flushed", context_id=self.context_id, flush_id=int(marker.name)))
+            self._queue(event("context.flushed", context_id=self.context_id, flush_id=int(marker.name),
+                              event_id=marker.event_id))
         else:
             pts_ms = round(self.framer.samples_out / self.framer.format.sample_rate * 1000, 3)
-            self._queue(event("mark", context_id=self.context_id, name=marker.name, pts_ms=pts_ms))
+            self._queue(event("mark", context_id=self.context_id, name=marker.name, pts_ms=pts_ms,
+                              event_id=marker.event_id))
 
     async def _drain(self) -> None:
         """A flush or mark promises that all audio before it has been sent: the encoder gives out what it holds,
@@ -170,7 +176,8 @@ class SessionContext:
     def _queue_done(self) -> None:
         audio_ms = self.framer.samples_out / self.framer.format.sample_rate * 1000
         self._queue(event("context.done", context_id=self.context_id, audio_ms=round(audio_ms, 3),
-                          metrics=self.stats.summary(self.speech.planner, audio_ms, self.text_chars)))
+                          metrics=self.stats.summary(self.speech.planner, audio_ms, self.text_chars),
+                          event_id=self.end_event_id))
 
     def _queue_frames(self, frames: list[EncodedFrame], last: bool) -> None:
         for item in self.framer.outgoing(frames, last, self._first_sent):

@@ -237,22 +237,22 @@ class Session:
             self._too_long(context_id)
         context.append(text)
         if message.get("flush"):
-            context.flush()
+            context.flush(message.get("event_id"))
 
     def _too_long(self, context_id: str) -> None:
         raise ProtocolError("text_too_long", f"a context takes at most {self.limits.max_text_chars} characters of "
                                              "text; this append was dropped", context_id=context_id)
 
     def _on_context_flush(self, message: dict[str, Any]) -> None:
-        self.contexts.find(message["context_id"]).flush()
+        self.contexts.find(message["context_id"]).flush(message.get("event_id"))
 
     def _on_context_end(self, message: dict[str, Any]) -> None:
         context = self.contexts.find(message["context_id"])
         if not context.ended:
-            context.end()
+            context.end(message.get("event_id"))
 
     def _on_mark(self, message: dict[str, Any]) -> None:
-        self.contexts.find(message["context_id"]).mark(message["name"])
+        self.contexts.find(message["context_id"]).mark(message["name"], message.get("event_id"))
 
     def _on_context_cancel(self, message: dict[str, Any]) -> None:
         if message["context_id"] == "*":
@@ -275,12 +275,12 @@ class Session:
             self.contexts.end_all()
         if not self.closing:
             self.closing = True
-            asyncio.get_running_loop().create_task(self._close_when_done())
+            asyncio.get_running_loop().create_task(self._close_when_done(message.get("event_id")))
 
-    async def _close_when_done(self) -> None:
+    async def _close_when_done(self, event_id: Any) -> None:
         while self.contexts:
             await asyncio.sleep(0.02)
-        self.outbox.put_event(event("session.closed"))
+        self.outbox.put_event(event("session.closed", event_id=event_id))
         self.close_after_queue(CLOSE_NORMAL, "session closed")
 
     # --- output --------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,7 @@ class ContextMarker:
     kind: str  # "flush" | "mark"
     name: str
     sample: int
+    event_id: Any = None  # the client message's that asked for it, echoed on its ack
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class SpeechContext:
         self._refused: VoxgateError | None = None  # why the context was ended early by its own text
         self.samples = 0
         self._events: asyncio.Queue[ContextEvent] = asyncio.Queue()
-        self._markers: dict[int, list[tuple[str, str]]] = {}  # utterance index -> markers after its audio
+        self._markers: dict[int, list[tuple[str, str, Any]]] = {}  # utterance index -> markers after its audio
         self._ended = False
         self._flushes = 0
         self._wake = asyncio.Event()
@@ -103,14 +105,14 @@ class SpeechContext:
             self._timers[waiting.index] = loop.call_later(self.planner.max_buffer_delay_s + 0.002, self._wake.set)
         self._wake.set()
 
-    def flush(self) -> str:
+    def flush(self, event_id: Any = None) -> str:
         """Close the open utterance; returns the flush id, reported once its audio has gone out."""
         self._flushes += 1
-        self._close_with(("flush", str(self._flushes)))
+        self._close_with(("flush", str(self._flushes), event_id))
         return str(self._flushes)
 
-    def mark(self, name: str) -> None:
-        self._close_with(("mark", name))
+    def mark(self, name: str, event_id: Any = None) -> None:
+        self._close_with(("mark", name, event_id))
 
     def end(self) -> None:
         """No more text: finish speaking, then `ContextEnd`."""
@@ -148,7 +150,7 @@ class SpeechContext:
         if self.lexicon is not None and not self._ended:
             self._plan(self.lexicon.finish())
 
-    def _close_with(self, marker: tuple[str, str]) -> None:
+    def _close_with(self, marker: tuple[str, str, Any]) -> None:
         self._release_held()
         closed = self.planner.close()
         index = closed.index if closed is not None else len(self.planner.utterances) - 1
@@ -245,5 +247,5 @@ class SpeechContext:
             await self._wake.wait()
 
     def _emit_markers(self, index: int) -> None:
-        for kind, name in self._markers.pop(index, []):
-            self._events.put_nowait(ContextMarker(kind, name, self.samples))
+        for kind, name, event_id in self._markers.pop(index, []):
+            self._events.put_nowait(ContextMarker(kind, name, self.samples, event_id))
