@@ -203,7 +203,7 @@ async def _body(request: Request, max_bytes: int) -> bytes:
     """The request body, read no further than `max_bytes` (413 past it)."""
     too_large = HTTPFailure(413, "text_too_long", f"the body takes at most {max_bytes} bytes")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    if declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise too_large
     body = bytearray()
     async for piece in request.stream():

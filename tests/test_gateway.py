@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import struct
+import urllib.parse
 
 import numpy as np
 import opuslib_next as opuslib
@@ -135,6 +136,23 @@ def test_pcm_at_each_rate_has_the_right_length(server, rate):
         assert len(audio) % 2 == 0 and abs(len(audio) // 2 - done["audio_ms"] * rate / 1000) <= 1
         model_samples = done["audio_ms"] * rate / 1000 * 24000 / rate
         assert abs(model_samples / 1920 - round(model_samples / 1920)) < 0.05  # whole 80 ms frames of the model
+        await conn.ws.close()
+    run(go())
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rate=st.text(st.sampled_from("0123456789_+- .\uff11\u0967e"), min_size=1, max_size=8).filter(
+    lambda r: not (r.isascii() and r.isdigit())))
+@example(rate="16_000")
+@example(rate="\uff11\uff16\uff10\uff10\uff10")  # fullwidth digits: int() takes them
+def test_a_sample_rate_query_that_is_not_ascii_digits_is_refused(server, rate):
+    """`?sample_rate=` takes a decimal integer in ASCII digits; anything else (which Python's int() may still read)
+    gets a non-fatal invalid_config and the session keeps its default rate."""
+    async def go():
+        conn = await session(server, "?encoding=pcm_s16le&sample_rate=" + urllib.parse.quote(rate))
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "invalid_config" and not error["fatal"], error
+        assert conn.started["audio"]["sample_rate"] == 24000
         await conn.ws.close()
     run(go())
 

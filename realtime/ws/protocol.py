@@ -473,13 +473,12 @@ def query_fields(params: dict[str, str]) -> tuple[dict[str, Any], list[ProtocolE
     if "encoding" in params:
         audio["encoding"] = params["encoding"]
     if "sample_rate" in params:
-        try:
-            if len(params["sample_rate"]) > MAX_INTEGER_DIGITS:
-                raise ValueError("too long")
-            audio["sample_rate"] = int(params["sample_rate"])
-        except ValueError:
-            errors.append(ProtocolError("invalid_config", f"sample_rate must be an integer, not "
-                                                          f"{params['sample_rate'][:20]!r}"))
+        rate = params["sample_rate"]
+        # ASCII digits only: int() also takes "16_000", "+16000", spaces and other scripts' digits
+        if rate.isascii() and rate.isdigit() and len(rate) <= MAX_INTEGER_DIGITS:
+            audio["sample_rate"] = int(rate)
+        else:
+            errors.append(ProtocolError("invalid_config", f"sample_rate must be an integer, not {rate[:20]!r}"))
     if audio:
         fields["audio"] = audio
     return fields, errors
