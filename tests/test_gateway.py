@@ -482,6 +482,26 @@ def test_binary_from_the_client_and_session_start_after_text(server):
     run(go())
 
 
+@pytest.mark.parametrize("refused", [{"voice": ""}, {"voice": "  "}, {"language": ""}, {"voice": "nobody"},
+                                     {"text": "x" * 401}])
+def test_a_refused_first_append_creates_no_context_and_changes_no_setting(server, refused):
+    """A first append refused (a blank voice or language, as session.start refuses them; an unknown voice; too much
+    text) names its context, creates none, and leaves the session as it was: session.start is still taken."""
+    async def go():
+        conn = await session(server)
+        await conn.send(**{"type": "text.append", "context_id": "r", "text": "Hi.", **refused})
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["context_id"] == "r" and error["code"] in ("invalid_message", "unknown_voice",
+                                                                 "text_too_long"), error
+        await conn.send(type="session.start", preset="pcm")
+        assert (await conn.until(lambda e: e["type"] == "session.started"))[-1]["audio"]["encoding"] == "pcm_s16le"
+        await conn.send(type="text.append", context_id="r", text="Hi.", instructions="")  # "": no instructions
+        events = await speak(conn, "r", [])
+        assert events[-1]["type"] == "context.done" and any(e["type"] == "binary" for e in events)
+        await conn.ws.close()
+    run(go())
+
+
 def test_context_limit_text_limit_and_empty_text(server):
     async def go():
         conn = await session(server)

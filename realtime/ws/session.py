@@ -226,10 +226,10 @@ class Session:
 
     def _on_text_append(self, message: dict[str, Any]) -> None:
         context_id, text = message["context_id"], message["text"]
-        self.settings.text_started = True
         if len(text) > self.limits.max_text_chars:  # before the context opens: a refused first append creates none
             self._too_long(context_id)
         context = self.contexts.find_or_open(context_id, message)
+        self.settings.text_started = True  # a first append refused above changes nothing, session.start included
         if context.ended:
             raise ProtocolError("context_closed", f"context {context_id!r} has ended; use a new context_id",
                                 context_id=context_id)

@@ -23,9 +23,18 @@ class SessionSettings:
         return errors
 
     def context_fields(self, message: dict[str, Any]) -> tuple[str | None, str | None, str]:
-        """A new context's voice, instructions and language: its first text.append's, else the session's."""
-        return (message.get("voice") or self.config.voice, message.get("instructions") or self.config.instructions,
-                message.get("language") or self.config.language)
+        """A new context's voice, instructions and language: its first text.append's, else the session's. As in
+        `session.start`, a blank voice or language is refused (ProtocolError naming the context) and "" instructions
+        mean none."""
+        for name in ("voice", "language"):
+            if message.get(name) is not None and not message[name].strip():
+                raise ProtocolError("invalid_message", f"{name} must be a non-empty string",
+                                    context_id=message["context_id"])
+
+        def given(name: str, session_value: Any) -> Any:
+            return message[name] if message.get(name) is not None else session_value
+        return (given("voice", self.config.voice), given("instructions", self.config.instructions),
+                given("language", self.config.language))
 
     def context_lexicon(self, message: dict[str, Any]) -> Lexicon | None:
         """A new context's lexicon: its first text.append's (a name or rules), else the session's; raises
