@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -22,6 +23,19 @@ def build_wheel(source: Path, out: Path, name: str) -> Path:
                     "-w", str(out)], check=True, cwd=out)
     (built,) = out.glob(f"{name}-*.whl")
     return built
+
+
+def borrowing_venv(env_dir: Path) -> Path:
+    """A venv that sees the packages of the interpreter running the tests, whether that is the system's or a venv
+    of its own (`system_site_packages` reaches only the base interpreter's: from a venv, nothing installed there),
+    without running their .pth files, so that an editable install of this checkout stays out. Its python."""
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    borrowed = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    (Path(purelib) / "borrowed.pth").write_text("".join(f"{path}\n" for path in borrowed))
+    return python
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +55,7 @@ def test_the_wheel_has_every_module_and_the_demo(wheel):
 
 def test_installed_from_the_wheel_the_server_serves_the_demo(wheel, tmp_path):
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=True)
-    python = env_dir / "bin" / "python"
+    python = borrowing_venv(env_dir)
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path)
     where = subprocess.run([str(python), "-c", "import realtime.app as app; print(app.__file__, app.WEB_DIR)"],
                            check=True, cwd=tmp_path, capture_output=True, text=True).stdout.split()
@@ -82,8 +95,7 @@ def test_the_client_wheel_needs_neither_torch_nor_the_server(client_wheel):
 def test_installed_from_its_wheel_the_client_and_plugins_import_without_torch(client_wheel, tmp_path):
     """torch, engine and realtime made unimportable, the installed client and both plugins still import."""
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=True)
-    python = env_dir / "bin" / "python"
+    python = borrowing_venv(env_dir)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # nothing of this checkout
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(client_wheel)], check=True,
                    cwd=tmp_path, env=env)
