@@ -16,6 +16,7 @@ from engine.config import RANDOM_WEIGHTS_KEY, ModelConfig
 from engine.errors import BenchmarkOnlyError, EmptyText, RequestError, VoxgateError
 from engine.prompt import TEXT_LAYOUTS, Voice
 from engine.sampling import SamplerParams, SamplingParams
+from engine.text.cleanup import speakable
 
 if TYPE_CHECKING:
     from engine.tts import TTSModel
@@ -118,8 +119,8 @@ def check_text(field: str, text: object) -> None:
 def check_request(tts: TTSModel, request: SynthesisRequest) -> None:
     """Raises RequestError (EmptyText for a complete text with nothing to speak) naming what is wrong."""
     check_text("text", request.text)
-    if request.text_complete and not request.text.strip():
-        raise EmptyText("text is empty")
+    if request.text_complete and not speakable(request.text):
+        raise EmptyText("text is empty: it has no letter or digit to speak")
     if request.voice.instruct is not None:
         check_text("instruct", request.voice.instruct)
     if request.language is not None:

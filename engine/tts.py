@@ -20,6 +20,7 @@ from engine.prompt import TEXT_LAYOUTS, Prompt, PromptBuilder, Voice
 from engine.reference import generate_frames
 from engine.request import RunawayGuard, SyntheticLength, check_text
 from engine.sampling import SamplingParams
+from engine.text.cleanup import speakable
 from engine.text.tokenizer import TextTokenizer, load_tokenizer
 
 ISO_LANGUAGES = {"zh": "chinese", "en": "english", "de": "german", "it": "italian", "pt": "portuguese",
@@ -199,8 +200,8 @@ class TTSModel:
 
     def prompt(self, text: str, voice: Voice, language: str, layout: str | None = None) -> tuple[Prompt, int]:
         """The talker prompt and the number of target text tokens."""
-        if not text or not text.strip():
-            raise EmptyText("text is empty")
+        if not speakable(text):
+            raise EmptyText("text is empty: it has no letter or digit to speak")
         _, text_ids = self.tokenizer.target(text)
         return self.prompt_from_ids(text_ids, voice, language, layout), len(text_ids)
 

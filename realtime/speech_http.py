@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.text.cleanup import speakable
 from realtime.audio.containers import format_available
 from realtime.audio.formats import HTTP_FORMATS
 from realtime.audio.time_stretch import SPEED_RANGE, TimeStretch
@@ -74,9 +75,9 @@ def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
         raise _bad("the body must be a JSON object")
     _check_strings(body)
     text = body.get("input")
-    if not text or not text.strip():
+    if not isinstance(text, str) or not speakable(text):
         raise HTTPFailure(400, "empty_text" if isinstance(text, str) else "invalid_message",
-                          "input is required: the text to speak")
+                          "input has no letter or digit to speak" if text else "input is required: the text to speak")
     if len(text) > gateway.limits.max_text_chars:
         raise HTTPFailure(400, "text_too_long", f"input takes at most {gateway.limits.max_text_chars} characters")
     _check_model(body.get("model"), gateway)

@@ -529,6 +529,33 @@ def test_context_limit_text_limit_and_empty_text(server):
     run(go())
 
 
+NOTHING_TO_SAY = st.text(st.sampled_from(list(".,!?;:-\u2014()\"' \n\t_*~`#") + ["\u200b", "\u200d", "\ufeff",
+                                                                                      "\u0301", "\x00", "\x07",
+                                                                                      "\U0001F600"]),
+                         min_size=1, max_size=30)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=NOTHING_TO_SAY)
+@example(text="\u0301" * 150)  # combining marks alone were 45 s of noise
+def test_text_with_no_letter_or_digit_is_empty_on_the_socket_and_over_http(server, text):
+    """Punctuation, marks, spaces, zero-width, control characters and emoji alone have nothing to say: the context
+    gets empty_text and no audio (they were spoken as noise, though emoji alone were already empty), and the speech
+    endpoint answers 400 empty_text."""
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="n", text=text)
+        events = await speak(conn, "n", [])
+        errors = [e for e in events if e["type"] == "error"]
+        assert [e["code"] for e in errors] == ["empty_text"] and events[-1]["type"] == "context.done", events[-3:]
+        assert not any(e["type"] == "binary" and e["payload"] for e in events)
+        await conn.ws.close()
+    run(go())
+    status, _, body = server.post("/v1/audio/speech", {"model": "tts-1", "input": text, "voice": "vivian"},
+                                  token="secret-key")
+    assert status == 400 and json.loads(body)["error"]["code"] == "empty_text", body
+
+
 def test_oversized_message_closes_with_1009_and_the_server_serves_others(server):
     async def go():
         conn = await session(server)

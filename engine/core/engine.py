@@ -32,7 +32,7 @@ from engine.errors import EmptyText, EngineFailed, RequestError, TextTooLong, Vo
 from engine.prompt import Prompt
 from engine.request import Event, RunawayGuard, SynthesisRequest, SyntheticLength, check_request, check_text
 from engine.sampling import SamplingParams
-from engine.text.cleanup import clean_text
+from engine.text.cleanup import clean_text, speakable
 from engine.text.incremental import TextFeed
 from engine.tts import TTSModel
 
@@ -300,8 +300,8 @@ class Engine:
 
     def _build_prompt(self, seq: Sequence) -> None:
         feed, request = seq.feed, seq.request
-        if feed.ended and not feed.text.strip():
-            raise EmptyText("text is empty")
+        if feed.ended and not speakable(feed.text):
+            raise EmptyText("text is empty: it has no letter or digit to speak")
         seq.prompt = self.tts.prompt_from_ids(feed.ids, request.voice, request.language, "streaming")
         seq.room = self._room(seq.prompt)
         seq.max_frames = min(seq.max_frames, seq.room)

@@ -24,6 +24,13 @@ _LINK_TARGET = re.compile(r"\]\([^()\[\]\s]*\)")
 _URL = re.compile(r"^(?:https?://|www\.)(?:www\.)?([^/\s?#:]+)\S*$")
 _EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF\u2B00-\u2BFF\uFE0E\uFE0F\u200D\u20E3\U000E0020-\U000E007F]")
 _WORDS = re.compile(r"(\s+)")
+_LETTER_OR_DIGIT = re.compile(r"[^\W_]")
+
+
+def speakable(text: str) -> bool:
+    """Whether the text has anything to say: a letter or a digit, in any script. Punctuation, marks without a letter,
+    spaces, zero-width, control and NUL characters alone make the model speak noise, not words: such text is empty."""
+    return _LETTER_OR_DIGIT.search(text) is not None
 
 
 def clean_word(word: str, line_start: bool) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 from engine.errors import EmptyText, RequestError, SynthesisFailed, TextTooLong, VoxgateError, request_failure
 from engine.request import SEED_RANGE, AudioChunk, Finished, SynthesisRequest
 from engine.serving.async_engine import FrontEnd, RequestHandle
+from engine.text.cleanup import speakable
 from realtime.lexicon import Lexicon, LexiconStream
 from realtime.ws.utterances import Utterance, UtterancePlanner
 
@@ -168,7 +169,7 @@ class SpeechContext:
         """Each utterance in turn, as it starts; the error that ended the context early, if any."""
         index = 0
         while (utterance := await self._next_started(index)) is not None:
-            if utterance.text.strip():
+            if speakable(utterance.text):  # an utterance of punctuation alone is noise: it is not spoken
                 try:
                     error = await self._speak(utterance)
                 except EmptyText:  # refused at submit: it cleans to nothing (an emoji, markdown alone)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import unicodedata
 from dataclasses import dataclass
 
+from engine.text.cleanup import speakable
+
 CLAUSE_ENDS = frozenset(".,;:!?\n。，；：！？、")
 SENTENCE_ENDS = frozenset(".!?\n。！？")
 FULL_WIDTH_SENTENCE_ENDS = frozenset("。！？\n")  # end a sentence without a following space
@@ -81,7 +83,7 @@ class UtterancePlanner:
     def start_due(self, now: float) -> Utterance | None:
         """The open utterance, if its buffered text should start speaking now (it stays started)."""
         utterance = self.open
-        if utterance is None or utterance.started or not utterance.text.strip():
+        if utterance is None or utterance.started or not speakable(utterance.text):
             return None
         if (self.buffering == "none" or (self.buffering == "sentence" and _has_sentence_end(utterance.text)) or
                 (self.buffering == "auto" and (any(c in CLAUSE_ENDS for c in utterance.text) or
