@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from realtime.lexicon import (
     MAX_LEXICON_CHARS,
+    Swap,
     MAX_REPLACEMENT_CHARS,
     MAX_RULES,
     MAX_TERM_CHARS,
@@ -16,6 +17,8 @@ from realtime.lexicon import (
     LexiconStore,
     LexiconStream,
     StoreFull,
+    _fold,
+    _is_word,
     parse_rules,
 )
 
@@ -96,6 +99,58 @@ def test_random_rules_either_refused_by_name_or_split_invariant(rules, text, siz
         assert str(failure)
         return
     assert streamed(lx, split_at(text, sizes)) == lx.apply(text)
+
+
+def walked_scan(lx, text: str, before: str, final: bool) -> tuple[list[Swap], int]:
+    """The matcher as first written, the reference for the one-pass one: from each position where a term may start,
+    walk the trie along the text to the longest term that ends on a word boundary; undecided where the walk reaches
+    the text's end (in up to MAX_TERM_CHARS steps a position, so a hostile lexicon made it slow)."""
+    swaps, i = [], 0
+    while i < len(text):
+        previous = text[i - 1] if i else before
+        if previous and _is_word(previous) and _is_word(text[i]):
+            i += 1
+            continue
+        node, end, replacement, decided = lx._root, i, None, None
+        for j in range(i, len(text)):
+            node = node.next.get(_fold(text[j]))
+            if node is None:
+                decided = True
+                break
+            if node.replacement is not None:
+                if j + 1 == len(text):
+                    decided = final
+                    end, replacement = (j + 1, node.replacement) if final else (end, replacement)
+                    break
+                if not (_is_word(text[j]) and _is_word(text[j + 1])):
+                    end, replacement = j + 1, node.replacement
+        if decided is None:
+            decided = final or not node.next
+        if not decided:
+            return swaps, i
+        if replacement is None:
+            i += 1
+        else:
+            swaps.append(Swap(i, end, replacement))
+            i = end
+    return swaps, len(text)
+
+
+TERMS = st.text(alphabet="aAb _.\u00df1", min_size=1, max_size=6)
+SCANNED = st.text(alphabet="aAbB _.,\u00df\n1", max_size=60)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(st.fixed_dictionaries({"term": TERMS, "replacement": st.text(max_size=3)}), min_size=1,
+                max_size=10), SCANNED, st.sampled_from(["", "a", " ", "_", "."]), st.booleans())
+def test_the_one_pass_matcher_finds_what_the_walk_from_every_position_finds(rules, text, before, final):
+    """Terms that overlap, nest, repeat a letter and end in punctuation, on text made of their letters: the same
+    matches and the same undecided tail as the simple matcher, from any preceding character, final or not."""
+    try:
+        lx = parse_rules(rules)
+    except LexiconError:
+        return
+    assert lx.scan(text, before, final) == walked_scan(lx, text, before, final)
 
 
 HOSTILE = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=20),
