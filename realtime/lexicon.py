@@ -114,13 +114,30 @@ class Lexicon:
         """The matches in `text` (`before`: the character preceding it, "" at the start) and how far the text is
         decided; past that, the next text could still change the result. With `final` all of it is.
 
-        One Aho-Corasick pass finds every term ending at each character, so the cost is the text's length plus the
-        matches, whatever the terms (a trie walked from every position cost up to `MAX_TERM_CHARS` steps a
-        character: a hostile lexicon held the event loop for 0.3 s on 20,000 characters). Then, left to right, the
-        longest term at each position where one may start, and matching goes on after it."""
+        One Aho-Corasick pass finds the terms ending at each character, while a cursor settles the matches left to
+        right: at the cursor the longest term that may start there, then on after it. Text before the cursor is
+        dropped from the automaton's state, and terms starting inside the cursor's match are not looked at, so the
+        cost stays near the text's length whatever the terms (a trie walked from every position cost up to
+        `MAX_TERM_CHARS` steps a character: a hostile lexicon held the event loop for 0.3 s on 20,000 characters)."""
         word = [_is_word(ch) for ch in text]
         starts_word = [bool(before) and _is_word(before)] + word  # starts_word[i]: the character before i is one
-        longest: dict[int, tuple[int, str]] = {}  # start -> (end, replacement) of the longest term there
+
+        def inside_word(start: int) -> bool:  # no term starts here
+            return starts_word[start] and word[start]
+
+        swaps: list[Swap] = []
+        cursor, at_cursor = 0, None  # matches before the cursor are settled; the longest term at it so far
+        later: dict[int, tuple[int, str]] = {}  # start after the cursor -> (end, replacement) of its longest term
+
+        def settle() -> None:
+            nonlocal cursor, at_cursor
+            if at_cursor is None:
+                cursor += 1
+            else:
+                swaps.append(Swap(cursor, *at_cursor))
+                cursor = at_cursor[0]
+            at_cursor = later.pop(cursor, None)
+
         root = node = self._root
         for end, ch in enumerate(map(_fold, text), 1):
             while node is not root and ch not in node.next:
@@ -130,24 +147,26 @@ class Lexicon:
             # final text decides
             found = node.output if (not (word[end - 1] and word[end]) if end < len(text) else final) else None
             while found is not None:
-                start = end - found.depth
-                if not (starts_word[start] and word[start]):  # nor starts inside one
-                    longest[start] = (end, found.replacement)  # ends only grow: the longest term at `start`
+                start = end - found.depth  # from the longest term to the shortest: `start` grows
+                if start == cursor:
+                    if not inside_word(start):
+                        at_cursor = (end, found.replacement)
+                elif (at_cursor is None or start >= at_cursor[0]) and not inside_word(start):
+                    later[start] = (end, found.replacement)  # ends only grow: the longest term at `start`
+                if at_cursor is not None and at_cursor[0] >= end:
+                    break  # the shorter ones start inside the cursor's match
                 found = found.fail.output
+            # the cursor is decided once no term from it can still be lengthened (or none starts there)
+            while cursor < end and (end - cursor > node.depth or inside_word(cursor)):
+                settle()
+            while node.depth > end - cursor:  # text before the cursor matches nothing more
+                node = node.fail
         undecided = set() if final else {  # starts of a term the next text may still complete or lengthen
-            len(text) - open_.depth for open_ in _chain(node, root)
-            if not (starts_word[len(text) - open_.depth] and word[len(text) - open_.depth])}
-        swaps: list[Swap] = []
-        i = 0
-        while i < len(text):
-            if i in undecided:
-                return swaps, i
-            match = longest.get(i)
-            if match is None:
-                i += 1
-            else:
-                swaps.append(Swap(i, *match))
-                i = match[0]
+            len(text) - open_.depth for open_ in _chain(node, root) if not inside_word(len(text) - open_.depth)}
+        while cursor < len(text):
+            if cursor in undecided:
+                return swaps, cursor
+            settle()
         return swaps, len(text)
 
 

@@ -30,8 +30,11 @@ LEXICONS = {
     "50 nested terms": [{"term": " ".join(["a"] * i), "replacement": "x"} for i in range(1, 51)],
     "100 runs of a": [{"term": "a" * i, "replacement": "x"} for i in range(1, 101)],
     "one short term": [{"term": "a", "replacement": "x"}],
+    # a term that keeps the matcher's cursor waiting while the nested ones end at every word inside it
+    "x a ... a over 49 nested": [{"term": "x" + " a" * 49, "replacement": "y"}] + [
+        {"term": " ".join(["a"] * i), "replacement": "x"} for i in range(1, 50)],
 }
-TEXTS = {"a a a": "a ", "aaaa": "a", "prose": "hello world, this is fine. "}
+TEXTS = {"a a a": "a ", "aaaa": "a", "x a a a": "x " + "a " * 48, "prose": "hello world, this is fine. "}
 CLEANUP_TEXTS = {"link openings": "[x](", "emphasis marks": "*_", "prose": "hello **world**, this is fine. "}
 QUERIES = {"question marks": "?", "names": "?a", "pairs": "&a=1"}
 
