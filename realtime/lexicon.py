@@ -2,7 +2,7 @@
 respelling before the text reaches the model.
 
 Clients never send a pattern: the matcher is a trie of the literal terms with Aho-Corasick's links, run once over the
-text, so its cost is linear in the text and its matches whatever the rules. At a position the longest term wins, and
+text (its cost per character: docs/benchmarks.md, "Text work per input"). At a position the longest term wins, and
 matching goes on after it (nothing overlaps; a replacement is never matched again). A term never matches part of a
 word: where its first (last) character is a letter, digit or `_`, the character before (after) it must not be one.
 
