@@ -3,6 +3,8 @@ scales by 1 / speed, streamed or whole), OpenAI's voice names (the default mappi
 SDK's `{"id": ...}` voice form, and OpenAI's model names, dated ones included; the new fields fuzzed at the parser."""
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 from types import SimpleNamespace
 
@@ -54,6 +56,29 @@ def test_speed_half_doubles_the_duration_and_two_halves_it(client):
         samples = len(pcm(client, speed=speed)) // 2
         assert samples / normal == pytest.approx(1 / speed, rel=0.02), speed
         assert samples == round(normal / speed)  # what the time-stretch guarantees, exactly
+
+
+def test_the_async_client_streams_the_same_audio_with_instructions_and_sse(server, client):
+    """AsyncOpenAI, as LLM agent frameworks hold it: a streamed body equals the sync client's for the same seed,
+    `instructions` are taken, and `stream_format="sse"` gives OpenAI's delta events whose audio is that body."""
+    async def go() -> tuple[bytes, list[dict]]:
+        async with openai.AsyncOpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0, timeout=120) as aio:
+            async with aio.audio.speech.with_streaming_response.create(
+                    model="gpt-4o-mini-tts", voice="vivian", input=TEXT, response_format="pcm",
+                    instructions="Speak slowly.", extra_body=SEED) as response:
+                body = b"".join([chunk async for chunk in response.iter_bytes()])
+            async with aio.audio.speech.with_streaming_response.create(
+                    model="gpt-4o-mini-tts", voice="vivian", input=TEXT, response_format="pcm",
+                    instructions="Speak slowly.", stream_format="sse", extra_body=SEED) as response:
+                lines = [line async for line in response.iter_lines()]
+        return body, [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+
+    body, events = asyncio.run(go())
+    assert body and body == pcm(client, instructions="Speak slowly.")
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert events[-1]["type"] == "speech.audio.done" and set(events[-1]["usage"]) >= {"input_tokens", "output_tokens",
+                                                                                       "total_tokens"}
+    assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == body
 
 
 def test_stretched_audio_streams_and_equals_the_whole_body(client):
