@@ -25,6 +25,7 @@ from realtime.ws.session import Session
 
 log = logging.getLogger("voxgate")
 MAX_CHAT_MESSAGES = 200
+BARGE_IN_POLL_S = 0.1  # how soon a turn whose context was cancelled stops an LLM that sends nothing meanwhile
 ROLES = ("system", "user", "assistant")
 _STR = (str,)
 CHAT_MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -109,26 +110,34 @@ class ChatSocket:
 
     async def _stop_turn(self, disconnected: bool = False) -> None:
         """Stop the LLM; what it wrote is still spoken (`context.end`), unless the page went away."""
-        turn, self._turn = self._turn, None
+        turn, turn_id, self._turn = self._turn, self._turn_id, None
         self._disconnected = disconnected
         if turn is not None and not turn.done():
             turn.cancel()
             await asyncio.gather(turn, return_exceptions=True)
+            if turn.cancelled() and not disconnected:  # cancelled before its body ran, which says chat.done itself
+                await self._send(event("chat.done", id=turn_id, text="", reason="cancelled"))
 
     async def _run_turn(self, request: ChatRequest, session: Session) -> None:
         reply, reason = "", "stop"
         context_id = request.context_id
         try:
-            async with contextlib.aclosing(stream_chat(self._llm_client, self.llm, request.messages)) as pieces:
-                async for piece in pieces:
-                    if not session.takes_text_for(context_id):
-                        reason = "cancelled"  # cancelled on the audio socket (barge-in), or that socket closed
-                        break
-                    if not session.append_text(context_id, piece, None if reply else request.voice_fields):
-                        reason = "error"  # refused (unknown voice, text too long): the error went to that socket
-                        break
-                    reply += piece
-                    await self._send(event("chat.delta", id=request.id, text=piece))
+            barge_in = asyncio.get_running_loop().create_task(_cancel_on_barge_in(session, context_id,
+                                                                                  asyncio.current_task()))
+            try:
+                async with contextlib.aclosing(stream_chat(self._llm_client, self.llm, request.messages)) as pieces:
+                    async for piece in pieces:
+                        if not session.takes_text_for(context_id):
+                            reason = "cancelled"  # cancelled on the audio socket (barge-in), or that socket closed
+                            break
+                        if not session.append_text(context_id, piece, None if reply else request.voice_fields):
+                            reason = "error"  # refused (unknown voice, text too long): the error went to that socket
+                            break
+                        reply += piece
+                        await self._send(event("chat.delta", id=request.id, text=piece))
+                        await asyncio.sleep(0)  # deltas already buffered: the loop's other sockets get a turn
+            finally:
+                barge_in.cancel()
             if reason == "stop" and reply and not session.context_open(context_id):
                 reason = "cancelled"  # barged in on after the last piece
         except asyncio.CancelledError:
@@ -157,3 +166,11 @@ class ChatSocket:
             await self.ws.send_text(json.dumps(message))
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass  # the reader sees the disconnect and stops the turn
+
+
+async def _cancel_on_barge_in(session: Session, context_id: str, turn: asyncio.Task) -> None:
+    """A turn whose context the audio socket no longer takes (barge-in, or that socket closed) stops even while the
+    LLM sends nothing: checking between deltas alone left a stalled LLM request open."""
+    while session.takes_text_for(context_id):
+        await asyncio.sleep(BARGE_IN_POLL_S)
+    turn.cancel()

@@ -30,6 +30,7 @@ class FakeLLM:
     reply: list[str]
     token_delay_s: float
     calls: list[Call] = field(default_factory=list)
+    stall_after: int | None = None  # tokens sent before the reply stops coming (the connection stays open)
 
 
 def create_app(llm: FakeLLM) -> Starlette:
@@ -42,8 +43,8 @@ def create_app(llm: FakeLLM) -> Starlette:
 
         async def events():
             try:
-                for token in llm.reply:
-                    await asyncio.sleep(llm.token_delay_s)
+                for sent, token in enumerate(llm.reply):
+                    await asyncio.sleep(llm.token_delay_s if sent != llm.stall_after else 3600)
                     chunk = {"object": "chat.completion.chunk", "model": body["model"],
                              "choices": [{"index": 0, "delta": {"content": token}, "finish_reason": None}]}
                     yield f"data: {json.dumps(chunk)}\n\n"

@@ -113,6 +113,46 @@ def test_cancelling_the_context_on_the_audio_socket_stops_the_llm(server, long_r
     asyncio.run(go())
 
 
+def test_barge_in_stops_an_llm_that_has_gone_silent(server, llm):
+    """The context cancelled on the audio socket while the LLM sends nothing: the turn still ends (chat.done) and the
+    LLM request is closed, not left open until a next delta that never comes."""
+    async def go():
+        llm.stall_after = 2
+        try:
+            tts, session_id, chat, _ = await open_pair(server)
+            await ask(chat, session_id, "r-stall", "c-stall")
+            await until(chat, lambda e: e["type"] == "chat.delta" and e["text"] == REPLY[1])
+            await tts.send(json.dumps({"type": "context.cancel", "context_id": "c-stall"}))
+            done = (await until(chat, lambda e: e["type"] == "chat.done", timeout=10))[-1]
+            assert done["reason"] == "cancelled" and done["text"] == "".join(REPLY[:2])
+            for _ in range(100):
+                if llm.calls[-1].outcome != "streaming":
+                    break
+                await asyncio.sleep(0.05)
+            assert llm.calls[-1].outcome == "cancelled"
+            await tts.close()
+            await chat.close()
+        finally:
+            llm.stall_after = None
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("how", ["chat.cancel", "a newer request"])
+def test_a_turn_stopped_before_it_began_still_gets_its_chat_done(server, how):
+    async def go():
+        tts, session_id, chat, _ = await open_pair(server)
+        await ask(chat, session_id, "r-early", "c-early")
+        if how == "chat.cancel":
+            await chat.send(json.dumps({"type": "chat.cancel", "id": "r-early"}))
+        else:
+            await ask(chat, session_id, "r-next", "c-next")
+        done = (await until(chat, lambda e: e["type"] == "chat.done" and e["id"] == "r-early", timeout=10))[-1]
+        assert done["reason"] == "cancelled"
+        await tts.close()
+        await chat.close()
+    asyncio.run(go())
+
+
 def test_chat_cancel_stops_the_llm_and_speaks_what_it_wrote(server, long_reply):
     async def go():
         tts, session_id, chat, _ = await open_pair(server)
