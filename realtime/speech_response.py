@@ -144,10 +144,16 @@ async def _prepend(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray]) 
 
 
 async def _encoded(chunks: AsyncIterator[np.ndarray], encoder: PcmBody | ContainerBody) -> Encoded:
-    async with contextlib.aclosing(chunks):
-        async for samples in chunks:
-            yield await _run(encoder, encoder.encode, samples), len(samples)
-    yield await _run(encoder, encoder.finish), 0
+    try:
+        async with contextlib.aclosing(chunks):
+            async for samples in chunks:
+                yield await _run(encoder, encoder.encode, samples), len(samples)
+        yield await _run(encoder, encoder.finish), 0
+    finally:  # also when the client left: on a worker thread, after a call of the encoder still running there
+        if encoder.off_loop:
+            asyncio.get_running_loop().run_in_executor(None, encoder.close)
+        else:
+            encoder.close()
 
 
 async def _run(encoder: PcmBody | ContainerBody, call: Callable[..., bytes], *args: object) -> bytes:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import io
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -348,3 +350,31 @@ def test_the_bystander_stream_was_not_disturbed(server, bystander):
     thread.join(timeout=300)
     status, _, alone = post_raw(server, {"input": LONG_TEXT * 3, "response_format": "pcm"})
     assert result["status"] == status == 200 and len(result["body"]) == len(alone) > 0
+
+
+@pytest.mark.parametrize("response_format", ["flac", "mp3"])
+def test_whole_bodies_cut_short_free_their_codecs_at_once(server, response_format):
+    """A whole-body request whose client leaves before the file is made: its codec and muxer (FFmpeg's threads and
+    buffers) are freed at once, not when a garbage collection finds them (the collector is off here to tell)."""
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    body = json.dumps({"model": "tts-1", "voice": "vivian", "input": "Hello world. " * 20,
+                       "response_format": response_format, "stream": False}).encode()
+    request = urllib.request.Request(server.http + "/v1/audio/speech", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as whole:  # one made to the end: the worker threads exist
+        assert whole.status == 200
+    gc.collect()
+    gc.disable()
+    try:
+        before = threads()
+        for _ in range(4):
+            with pytest.raises((TimeoutError, urllib.error.URLError)):
+                urllib.request.urlopen(request, timeout=0.5)
+        deadline = time.monotonic() + 20
+        while threads() > before + 1:
+            assert time.monotonic() < deadline, (before, threads())
+            time.sleep(0.1)
+    finally:
+        gc.enable()

@@ -10,6 +10,7 @@ priming, so AAC decodes to that much more audio in either form; so does a stream
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass, field
 
 import av
@@ -65,6 +66,9 @@ class PcmBody:
     def finish(self) -> bytes:
         return b""
 
+    def close(self) -> None:
+        """Nothing held."""
+
 
 class _StreamSink:
     """A write-only file for the muxer: what it wrote since the last `take`. No `seek`, so FFmpeg streams."""
@@ -90,7 +94,7 @@ class _FileSink(io.BytesIO):
 
 class ContainerBody:
     """One response's container file, fed the model's chunks in order (the codec and muxer keep state): heavy
-    enough to run on a worker thread."""
+    enough to run on a worker thread. Its calls hold a lock, so that `close` waits for a call still running there."""
     off_loop = True
 
     def __init__(self, response_format: str, streamed: bool) -> None:
@@ -105,18 +109,34 @@ class ContainerBody:
         self._stream.codec_context.format = spec.sample_format
         self._container.start_encoding()  # the header now, so that even a response without audio is a valid file
         self.samples = 0  # audio taken so far, at the model's rate
+        self._lock = threading.Lock()
+        self._closed = False
 
     def encode(self, samples: np.ndarray) -> bytes:
         """The bytes ready to send once `samples` (float32, 24 kHz) are in: streamed, whatever the codec let out."""
-        if len(samples):
-            self._mux(self._frame(np.asarray(samples, dtype=np.float32).reshape(-1)))
-        return self._sink.take(final=False)
+        with self._lock:
+            if len(samples):
+                self._mux(self._frame(np.asarray(samples, dtype=np.float32).reshape(-1)))
+            return self._sink.take(final=False)
 
     def finish(self) -> bytes:
         """The rest: the codec's delayed packets and the trailer (whole: the complete file)."""
-        self._mux(None)
-        self._container.close()
-        return self._sink.take(final=True)
+        with self._lock:
+            self._mux(None)
+            self._close()
+            return self._sink.take(final=True)
+
+    def close(self) -> None:
+        """Free the codec and muxer (FFmpeg's threads and buffers) of a response cut short, now: left to the
+        garbage collector, each whole-body request whose client left held ~3.5 MB and threads until a full
+        collection (a hostile try's finding)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._container.close()
 
     def _frame(self, samples: np.ndarray) -> av.AudioFrame:
         planes = np.clip(samples, -1.0, 1.0) if self._spec.sample_format == "fltp" else to_int16(samples)
