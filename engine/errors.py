@@ -41,6 +41,9 @@ class ReferenceTooLong(AudioInputError):
 class EmptyText(RequestError):
     """The request's text has nothing to speak."""
 
+    def __init__(self, message: str = "text is empty: it has no letter or digit to speak") -> None:
+        super().__init__(message)
+
 
 class TextTooLong(RequestError):
     """The request's text (or instructions) does not fit: a documented limit, or the engine's context."""

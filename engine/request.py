@@ -120,7 +120,7 @@ def check_request(tts: TTSModel, request: SynthesisRequest) -> None:
     """Raises RequestError (EmptyText for a complete text with nothing to speak) naming what is wrong."""
     check_text("text", request.text)
     if request.text_complete and not speakable(request.text):
-        raise EmptyText("text is empty: it has no letter or digit to speak")
+        raise EmptyText()
     if request.voice.instruct is not None:
         check_text("instruct", request.voice.instruct)
     if request.language is not None:

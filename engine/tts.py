@@ -201,7 +201,7 @@ class TTSModel:
     def prompt(self, text: str, voice: Voice, language: str, layout: str | None = None) -> tuple[Prompt, int]:
         """The talker prompt and the number of target text tokens."""
         if not speakable(text):
-            raise EmptyText("text is empty: it has no letter or digit to speak")
+            raise EmptyText()
         _, text_ids = self.tokenizer.target(text)
         return self.prompt_from_ids(text_ids, voice, language, layout), len(text_ids)
 

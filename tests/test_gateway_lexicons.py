@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
 from realtime.gateway import Limits
-from realtime.lexicon import parse_rules
+from realtime.lexicon import LexiconStream, parse_rules
 from tests.gateway_server import SHORT_SPEECH, running_server
 from voxgate_client.client import VoxgateClient, pcm_from_frames
 
@@ -187,19 +187,31 @@ def small_server():
         yield running
 
 
-async def context_outcome(server, lexicon: list[dict], pieces: list[str]) -> list[str]:
-    """The error codes a context gets for `pieces` (appended in turn, then ended) until its `context.done`."""
+async def context_outcome(server, lexicon: list[dict], pieces: list[str]) -> list[tuple[str, str]]:
+    """The (code, event_id) of each error a context gets for `pieces` (appended in turn as events "append-I", then
+    ended as "end") until its `context.done`."""
     ws = await raw(server)
     await ws.send(json.dumps({"type": "session.start", "lexicon": lexicon, "text": {"buffering": "none"}}))
     await until(ws, lambda e: e["type"] == "session.started")
-    for piece in pieces:
-        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": piece}))
-    await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
+    for i, piece in enumerate(pieces):
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": piece, "event_id": f"append-{i}"}))
+    await ws.send(json.dumps({"type": "context.end", "context_id": "c", "event_id": "end"}))
     events = await until(ws, lambda e: e["type"] == "context.done")
     await ws.send(json.dumps({"type": "ping", "id": 2}))  # the session goes on
     assert (await until(ws, lambda e: e["type"] == "pong"))[-1]["id"] == 2
     await ws.close()
-    return [e["code"] for e in events if e["type"] == "error" and e.get("context_id") == "c"]
+    return [(e["code"], e.get("event_id")) for e in events if e["type"] == "error" and e.get("context_id") == "c"]
+
+
+def first_message_past(limit: int, lexicon: list[dict], pieces: list[str]) -> str | None:
+    """The event id of the message after which the lexicon's output has passed `limit` characters (the end releases
+    what the lexicon held back), None if it never does."""
+    stream, spoken = LexiconStream(parse_rules(lexicon)), 0
+    for event_id, piece in [*((f"append-{i}", piece) for i, piece in enumerate(pieces)), ("end", None)]:
+        spoken += len(stream.append(piece) if piece is not None else stream.finish())
+        if spoken > limit:
+            return event_id
+    return None
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -210,8 +222,11 @@ def test_a_lexicon_that_expands_a_context_past_the_text_limit_ends_it_with_text_
     text = " ".join(["ok"] * words) + "."
     pieces = [text[a:b] for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(text)]) if text[a:b]]
     spoken = len(parse_rules(lexicon).apply(text))
-    codes = asyncio.run(context_outcome(small_server, lexicon, pieces))
-    assert codes == (["text_too_long"] if spoken > SMALL_TEXT_LIMIT else []), (spoken, codes)
+    errors = asyncio.run(context_outcome(small_server, lexicon, pieces))
+    past = first_message_past(SMALL_TEXT_LIMIT, lexicon, pieces)
+    assert (past is not None) == (spoken > SMALL_TEXT_LIMIT)
+    # the error answers the message whose text, replaced, passed the limit
+    assert errors == ([("text_too_long", past)] if past is not None else []), (spoken, errors)
 
 
 def test_the_speech_endpoint_refuses_a_lexicon_that_expands_past_the_text_limit(small_server):

@@ -301,7 +301,7 @@ class Engine:
     def _build_prompt(self, seq: Sequence) -> None:
         feed, request = seq.feed, seq.request
         if feed.ended and not speakable(feed.text):
-            raise EmptyText("text is empty: it has no letter or digit to speak")
+            raise EmptyText()
         seq.prompt = self.tts.prompt_from_ids(feed.ids, request.voice, request.language, "streaming")
         seq.room = self._room(seq.prompt)
         seq.max_frames = min(seq.max_frames, seq.room)

@@ -39,6 +39,7 @@ class SessionContext:
         self.text_chars = 0
         self.ended = False  # no more text (context.end)
         self.end_event_id: Any = None  # the context.end's, echoed on context.done
+        self.refused_event_id: Any = None  # the message whose text ended the context early, echoed on its error
         self.cancelled = False
         self.words = WordTimeline()
         self.timestamps = timestamps
@@ -48,25 +49,32 @@ class SessionContext:
 
     # --- text in -------------------------------------------------------------------------------------------------
 
-    def append(self, text: str) -> None:
+    def append(self, text: str, event_id: Any = None) -> None:
         self.text_chars += len(text)
         if text:
             self.speech.append(text)
-        self.stats.note_speaking(self.speech.planner)
+        self._noted(event_id)
 
     def flush(self, event_id: Any = None) -> None:
         """`event_id`: the client message's, echoed on its `context.flushed` (as on a `mark` and `context.done`)."""
         self.speech.flush(event_id)
-        self.stats.note_speaking(self.speech.planner)
+        self._noted(event_id)
 
     def mark(self, name: str, event_id: Any = None) -> None:
         self.speech.mark(name, event_id)
-        self.stats.note_speaking(self.speech.planner)
+        self._noted(event_id)
 
     def end(self, event_id: Any = None) -> None:
         self.ended = True
         self.end_event_id = event_id
         self.speech.end()
+        self._noted(event_id)
+
+    def _noted(self, event_id: Any) -> None:
+        """After a message gave the context text (an append, or a flush, mark or end that releases what the lexicon
+        held): the message that made its text too long is the one its error answers."""
+        if self.speech.refused and self.refused_event_id is None:
+            self.refused_event_id = event_id
         self.stats.note_speaking(self.speech.planner)
 
     def cancel(self) -> None:
@@ -158,7 +166,7 @@ class SessionContext:
         if frames or self.framer.sent_first:
             self._queue_frames(frames, last=True)
         if end.reason == "error":
-            self._queue_error(engine_error(end.error, self.context_id))
+            self._queue_error(engine_error(end.error, self.context_id), self.refused_event_id)
         self._queue_done()
 
     def _end_failed(self, failure: Exception) -> None:
@@ -169,9 +177,9 @@ class SessionContext:
         self._queue_error(engine_error(failure, self.context_id))
         self._queue_done()
 
-    def _queue_error(self, failure: ProtocolError) -> None:
+    def _queue_error(self, failure: ProtocolError, event_id: Any = None) -> None:
         self.metrics.socket.error(failure.code)
-        self._queue(error_event(failure))
+        self._queue(error_event(failure, event_id))
 
     def _queue_done(self) -> None:
         audio_ms = self.framer.samples_out / self.framer.format.sample_rate * 1000

@@ -238,7 +238,7 @@ class Session:
                                 context_id=context_id)
         if context.text_chars + len(text) > self.limits.max_text_chars:
             self._too_long(context_id)
-        context.append(text)
+        context.append(text, message.get("event_id"))
         if message.get("flush"):
             context.flush(message.get("event_id"))
 

@@ -85,6 +85,11 @@ class SpeechContext:
         self._timers: dict[int, asyncio.TimerHandle] = {}  # utterance index -> its buffering deadline
         self._task = asyncio.get_running_loop().create_task(self._run())
 
+    @property
+    def refused(self) -> bool:
+        """Whether the context's own text ended it early (its lexicon's replacements passed `max_text_chars`)."""
+        return self._refused is not None
+
     def append(self, text: str) -> None:
         if self._refused is not None:
             return  # its error is on its way to the client: later text is dropped, not an error of its own
@@ -178,7 +183,7 @@ class SpeechContext:
                     return error  # an utterance with nothing to say is skipped: the context goes on
             index += 1
         self._emit_markers(index - 1)
-        return None if self.samples else EmptyText("text is empty")
+        return None if self.samples else EmptyText()
 
     async def _next_started(self, index: int) -> Utterance | None:
         """Wait until utterance `index` starts speaking (reporting the markers of the one before it meanwhile);
