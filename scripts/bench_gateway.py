@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -330,6 +330,14 @@ class Outcome:
     ended: float | None = None  # the response's end (HTTP) or context.done (WebSocket)
     error: str | None = None
     server_ttfa_ms: float | None = None  # WebSocket: context.done's metrics.ttfa_ms
+    # the decoding and onset search of its audio, run after the load: done as each request ended, it held the load
+    # generator's event loop 10-30 ms a request, late for the next arrivals and the other requests' audio
+    analysis: Callable[[], None] | None = None
+
+    def analyse(self) -> None:
+        if self.analysis is not None:
+            self.analysis()
+            self.analysis = None
 
 
 @dataclass
@@ -380,7 +388,11 @@ async def http_request(client: httpx.AsyncClient, args: argparse.Namespace, text
     if len(pcm) % 2 or not pcm:
         outcome.error = "pcm: no audio" if not pcm else "pcm: a partial sample"
         return
-    outcome.onset_s = audible_onset(np.frombuffer(bytes(pcm), "<i2") / 32768.0, rate)
+
+    def analysis() -> None:
+        outcome.onset_s = audible_onset(np.frombuffer(bytes(pcm), "<i2") / 32768.0, rate)
+
+    outcome.analysis = analysis
 
 
 def error_code(response: httpx.Response) -> str:
@@ -404,9 +416,14 @@ async def ws_request(args: argparse.Namespace, index: int, text: str, outcome: O
         outcome.error = result.errors[0].get("code", "?") if result.errors else "no context.done"
     if result.done is not None:
         outcome.server_ttfa_ms = result.done["metrics"].get("ttfa_ms")
-    samples, rate = context_audio(result, client.session), client.session["audio"]["sample_rate"]
-    outcome.chunks = context_chunks(result, rate, len(samples))
-    outcome.onset_s = audible_onset(samples, rate)
+    session = client.session
+
+    def analysis() -> None:
+        samples, rate = context_audio(result, session), session["audio"]["sample_rate"]
+        outcome.chunks = context_chunks(result, rate, len(samples))
+        outcome.onset_s = audible_onset(samples, rate)
+
+    outcome.analysis = analysis
 
 
 async def open_request(args: argparse.Namespace, client: httpx.AsyncClient, index: int, text: str,
@@ -555,6 +572,8 @@ async def open_loop(args: argparse.Namespace, server_pid: int | None) -> dict:
         await asyncio.sleep(max(0.0, start + args.duration - time.monotonic()))
         cpu_last = cpu_times(server_pid) if server_pid else None
         await asyncio.gather(*tasks)
+    for outcome in outcomes:
+        outcome.analyse()
     url = speech_url(args.url) if args.traffic == "http" else args.url
     return {"mode": "open", "traffic": args.traffic, "url": url, "serve_in_process": args.serve, "rate": args.rate,
             "duration_s": args.duration, "wall_s": round(time.monotonic() - start, 1),
