@@ -18,7 +18,8 @@ from websockets.uri import parse_uri
 
 from realtime.gateway import Limits
 from realtime.ws.backpressure import MAX_QUEUED_ITEMS
-from tests.gateway_server import events_until_closed, running_server
+from realtime.ws import speech_context
+from tests.gateway_server import SHORT_SPEECH, events_until_closed, running_server
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +249,48 @@ def test_session_and_connection_limits_follow_the_engine_slots():
         finally:
             for sock in sockets:
                 sock.close()
+
+
+async def context_done(ws, context_id: str) -> list[dict]:
+    """The JSON events up to `context_id`'s context.done."""
+    events = []
+    while not events or events[-1].get("type") != "context.done" or events[-1].get("context_id") != context_id:
+        message = await asyncio.wait_for(ws.recv(), 60)
+        if isinstance(message, str):
+            events.append(json.loads(message))
+    return events
+
+
+def test_a_context_whose_text_stops_gives_its_engine_slot_back_and_speaks_on_when_text_comes(monkeypatch):
+    """A client that opens contexts, stops their text and keeps its session alive (keepalives) held engine slots for
+    good (a hostile try held every slot so): after TEXT_PAUSE_S without text the utterance being spoken closes, its
+    request ends, and later text starts the next utterance of the same context."""
+    monkeypatch.setattr(speech_context, "TEXT_PAUSE_S", 0.5)
+    first = "Hello there my friend"
+
+    async def go(running):
+        async with connect(running.ws) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+            await ws.send(json.dumps({"type": "session.start", "text": {"buffering": "none"}}))
+            await ws.send(json.dumps({"type": "text.append", "context_id": "whole", "text": first}))
+            await ws.send(json.dumps({"type": "context.end", "context_id": "whole"}))
+            whole = await context_done(ws, "whole")
+            await ws.send(json.dumps({"type": "text.append", "context_id": "paused", "text": first}))
+            deadline = time.monotonic() + 60
+            while running.metric("voxgate_engine_requests_active") == 0:  # its first utterance is speaking
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            while running.metric("voxgate_engine_requests_active") != 0:  # ... and ends, with no text coming
+                assert time.monotonic() < deadline, "a context with no text coming kept its engine slot"
+                await ws.send(json.dumps({"type": "keepalive"}))
+                await asyncio.sleep(0.1)
+            await ws.send(json.dumps({"type": "text.append", "context_id": "paused", "text": " and more words."}))
+            await ws.send(json.dumps({"type": "context.end", "context_id": "paused"}))
+            paused = await context_done(ws, "paused")
+            return whole, paused
+
+    with running_server(Limits(), synthetic_frames_per_token=SHORT_SPEECH) as running:
+        whole, paused = asyncio.run(go(running))
+    assert not [e for e in whole + paused if e["type"] == "error"]
+    # the later text was spoken too: more audio than the first text alone (lengths follow the text's tokens)
+    assert paused[-1]["audio_ms"] > whole[-1]["audio_ms"] > 0

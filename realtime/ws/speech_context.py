@@ -10,6 +10,11 @@ context ends with a `ContextEnd` carrying the typed error. A pronunciation lexic
 planner sees it, holding back what the next piece could still change; a flush, mark or end releases it. The text
 the planner is given (after the lexicon) is bounded by `max_text_chars` like the client's own text: a lexicon that
 expands a context past it ends the context with `TextTooLong`.
+
+A pause closes the utterance being spoken: when no text has come for `TEXT_PAUSE_S`, the text so far is complete for
+the engine (as a flush would make it, with no flush id), so its request finishes and gives its engine slot back;
+later text starts the next utterance. A context whose text stops (and is never ended) would otherwise hold a slot
+for as long as its client keeps the session alive, and a few such sessions would hold every slot of the engine.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ from engine.serving.async_engine import FrontEnd, RequestHandle
 from engine.text.cleanup import speakable
 from realtime.lexicon import Lexicon, LexiconStream
 from realtime.ws.utterances import Utterance, UtterancePlanner
+
+# seconds without text after which the utterance being spoken closes; an LLM streams tens of tokens a second, so only
+# a client whose text has stopped (a stalled LLM, a tool call, a client that never ends its context) waits this long
+TEXT_PAUSE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ class SpeechContext:
         self._request: RequestHandle | None = None  # the speaking utterance's engine request
         self._speaking: Utterance | None = None  # the utterance that request speaks, while it does
         self._timers: dict[int, asyncio.TimerHandle] = {}  # utterance index -> its buffering deadline
+        self._pause: asyncio.TimerHandle | None = None  # closes the utterance being spoken if no text comes
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     @property
@@ -105,6 +115,9 @@ class SpeechContext:
             return
         loop = asyncio.get_running_loop()
         self.planner.append(text, loop.time())
+        if self._pause is not None:
+            self._pause.cancel()
+        self._pause = loop.call_later(TEXT_PAUSE_S, self._on_pause)
         waiting = self.planner.open
         if waiting is not None and not waiting.started and waiting.index not in self._timers:
             # a hair late, so that the planner's clock has passed the delay when the timer wakes it
@@ -133,8 +146,19 @@ class SpeechContext:
         if self._request is not None:
             self._request.cancel()
         self._task.cancel()
-        for timer in self._timers.values():
+        for timer in [*self._timers.values(), *([self._pause] if self._pause is not None else [])]:
             timer.cancel()
+
+    def _on_pause(self) -> None:
+        """No text for TEXT_PAUSE_S: an utterance that is speaking (it holds an engine slot) closes; one still
+        buffering holds no slot and waits as it was."""
+        self._pause = None
+        utterance = self.planner.open
+        if self._ended or utterance is None or not utterance.started:
+            return
+        self._release_held()
+        self.planner.close()
+        self._wake.set()
 
     def _refuse(self, error: VoxgateError) -> None:
         """End the context now with `error`, after the audio already delivered (once: not after it has ended)."""

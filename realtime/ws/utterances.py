@@ -8,7 +8,8 @@ long, which bounds the speaking-rate drift of long inputs and keeps every uttera
 at the first clause end past 1.5 times that, a space past twice that, and anywhere at 2.5 times. Lengths are counted
 in `units`: a wide (CJK) character is WIDE_UNITS, nearer the speech it takes than one Latin letter. Where utterances
 split depends only on the text and the client's flush / mark / end, never on timing or on how the text was cut into
-appends, so a seeded context sounds the same however its text arrived.
+appends, so a seeded context sounds the same however its text arrived (one exception, outside this planner: text
+that stops for seconds closes the utterance being spoken, `speech_context.TEXT_PAUSE_S`).
 
 Buffering decides only *when* an utterance's text starts going to the engine: `none` at once, `sentence` at a
 sentence end, `auto` at a clause boundary or `max_buffer_delay_s` after its first text, whichever comes first;
