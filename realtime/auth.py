@@ -61,7 +61,13 @@ def _bearer(connection: HTTPConnection) -> str | None:
 def load_api_keys(given: Iterable[str], key_file: Path | None = None) -> tuple[str, ...]:
     """Keys given on the command line, in $VOXGATE_API_KEYS (comma-separated) and in `key_file` (one a line),
     merged: the last two keep keys off the command line, where `ps` shows them. Raises KeyFileError."""
-    keys = list(given) + os.environ.get(KEYS_VARIABLE, "").split(",")
+    given = list(given)
+    if any(not key.strip() for key in given):  # `--api-key "$KEY"` with KEY unset would serve with no key at all
+        raise KeyFileError("--api-key is empty; leave it out to serve without keys")
+    variable = os.environ.get(KEYS_VARIABLE)
+    if variable is not None and not variable.strip(", \t\n"):
+        raise KeyFileError(f"${KEYS_VARIABLE} is set but holds no key; unset it to serve without keys")
+    keys = given + (variable or "").split(",")
     if key_file is not None:
         keys += _key_file(key_file)
     return tuple(dict.fromkeys(key.strip() for key in keys if key.strip()))

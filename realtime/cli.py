@@ -168,9 +168,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from realtime.voices import CloneVoice, parse_openai_voice
 
     for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms",
-                 "max_voice_upload_bytes", "max_stored_voices", "encoder_workers"):
+                 "max_voice_upload_bytes", "max_stored_voices", "encoder_workers", "max_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise VoxgateError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise VoxgateError(f"--port {args.port}: a port is 0 to 65535")
     if args.idle_timeout <= 0 or args.max_message_rate <= 0 or args.handshake_timeout <= 0:
         raise VoxgateError("--idle-timeout, --handshake-timeout and --max-message-rate must be positive")
     _check_scheduling(args.chunk_schedule, args.admission)
@@ -213,7 +215,12 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def run_make_checkpoint(args: argparse.Namespace) -> None:
     from engine.synthetic.checkpoints import write_random_checkpoint
 
-    write_random_checkpoint(args.output, args.size, args.variant, seed=args.seed)
+    if args.output.exists() and not args.output.is_dir():
+        raise VoxgateError(f"-o {args.output}: a file is there; a checkpoint is a directory")
+    try:
+        write_random_checkpoint(args.output, args.size, args.variant, seed=args.seed)
+    except OSError as failure:
+        raise VoxgateError(f"cannot write the checkpoint to {args.output}: {failure.strerror or failure}") from None
     print(f"wrote a random {args.size} {args.variant} checkpoint to {args.output}", file=sys.stderr)
 
 

@@ -12,7 +12,9 @@ be the start of a match, or a match whose following character has not arrived, i
 """
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +64,7 @@ class _Node:
     """A trie node: the terms' prefix it stands for, `depth` characters long; with the Aho-Corasick links, `fail`
     (the node of its longest proper suffix in the trie) and `output` (the longest term ending here, itself or
     down the fail chain)."""
-    __slots__ = ("next", "replacement", "depth", "fail", "output")
+    __slots__ = ("next", "replacement", "depth", "fail", "output", "__weakref__")
 
     def __init__(self, depth: int = 0) -> None:
         self.next: dict[str, _Node] = {}
@@ -86,6 +88,64 @@ def _link(root: _Node) -> None:
             queue.append(child)
 
 
+def _trie(rules: tuple[Rule, ...]) -> tuple[_Node, int]:
+    """The terms' trie with its Aho-Corasick links, and its number of nodes."""
+    root, nodes = _Node(), 1
+    for rule in rules:
+        node = root
+        for ch in map(_fold, rule.term):
+            child = node.next.get(ch)
+            if child is None:
+                child = node.next[ch] = _Node(node.depth + 1)
+                nodes += 1
+            node = child
+        node.replacement = rule.replacement
+    _link(root)
+    return root, nodes
+
+
+class Tries:
+    """The compiled tries of every lexicon in use, shared: lexicons with the same rules (a client that sends its
+    inline lexicon with each session or context) take one trie, built once. A trie node costs ~300 bytes and the
+    largest lexicon allowed ~50,000 of them (~15 MB, ~0.15 s to build); `max_nodes` bounds the nodes of all the
+    distinct tries alive at once, so that clients sending distinct inline lexicons cannot take the server's memory
+    (a hostile try: 48 contexts with inline lexicons, +750 MB). Past it a new one is refused (`LexiconsBusy`) until
+    others are released. The last `keep` tries stay built after their lexicons are gone."""
+
+    def __init__(self, max_nodes: int, keep: int = 8) -> None:
+        self.max_nodes, self.keep = max_nodes, keep
+        self.nodes = 0  # of the distinct tries alive
+        self._alive: weakref.WeakValueDictionary[tuple[Rule, ...], _Node] = weakref.WeakValueDictionary()
+        self._recent: OrderedDict[tuple[Rule, ...], _Node] = OrderedDict()
+
+    def get(self, rules: tuple[Rule, ...]) -> _Node:
+        root = self._alive.get(rules)
+        if root is None:
+            size = sum(len(rule.term) for rule in rules) + 1  # at most its nodes, known before building
+            if self.nodes + size > self.max_nodes:
+                self._recent.clear()  # what is kept only for reuse goes first; a trie's links make cycles, so
+                gc.collect()  # the tries no lexicon holds are freed by the collector: now, once, under pressure
+                if self.nodes + size > self.max_nodes:
+                    raise LexiconsBusy("the server holds as many distinct lexicons as it can; use a stored lexicon "
+                                       "(POST /v1/lexicons) or retry when other sessions have ended")
+            root, nodes = _trie(rules)
+            self.nodes += nodes
+            weakref.finalize(root, self._released, nodes)
+            self._alive[rules] = root
+        self._recent[rules] = root
+        self._recent.move_to_end(rules)
+        while len(self._recent) > self.keep:
+            self._recent.popitem(last=False)
+        return root
+
+    def _released(self, nodes: int) -> None:
+        self.nodes -= nodes
+
+
+MAX_TRIE_NODES = 2_000_000  # ~600 MB: 40 of the largest lexicons, or 2,000 of 1,000 characters
+TRIES = Tries(MAX_TRIE_NODES)
+
+
 @dataclass(frozen=True, eq=False)
 class Lexicon:
     rules: tuple[Rule, ...]
@@ -93,14 +153,7 @@ class Lexicon:
     _root: _Node = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        root = _Node()
-        for rule in self.rules:
-            node = root
-            for ch in rule.term:
-                node = node.next.setdefault(_fold(ch), _Node(node.depth + 1))
-            node.replacement = rule.replacement
-        _link(root)
-        object.__setattr__(self, "_root", root)
+        object.__setattr__(self, "_root", TRIES.get(self.rules))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "rules": [{"term": r.term, "replacement": r.replacement} for r in self.rules]}
@@ -299,6 +352,10 @@ class LexiconStore:
 
 class LexiconNotFound(LexiconError):
     pass
+
+
+class LexiconsBusy(LexiconError):
+    """A new lexicon would pass the bound on the compiled lexicons alive (`Tries`): retry later."""
 
 
 class StoreFull(LexiconError):

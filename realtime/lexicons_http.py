@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from realtime.errors import HTTPFailure
-from realtime.lexicon import LexiconError, LexiconNotFound, LexiconStore, StoreFull
+from realtime.lexicon import LexiconError, LexiconNotFound, LexiconsBusy, LexiconStore, StoreFull
 from realtime.ws.protocol import ProtocolError, load_json
 
 # the store's own refusals (docs/protocol.md); a malformed lexicon is the protocol's `invalid_message`
 STORE_ERRORS: tuple[tuple[type[LexiconError], int, str], ...] = (
     (LexiconNotFound, 404, "lexicon_not_found"),
     (StoreFull, 409, "lexicon_limit"),
+    (LexiconsBusy, 503, "overloaded"),
     (LexiconError, 400, "invalid_message"),
 )
 

@@ -176,11 +176,17 @@ _OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain
 _QUERY_PARAM = re.compile(r"([?&;])([^=&;?#\s\"']*)=([^&;#\s\"']*)")
 
 
+# seconds a request body may go without a byte while the server waits to read it; a stalled body is closed (a
+# hostile try held every connection of the server with request headers, one body byte and then nothing)
+BODY_STALL_S = 30.0
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with two guards it lacks. A request's headers (a WebSocket handshake's included) must
+    """uvicorn's h11 protocol with three guards it lacks. A request's headers (a WebSocket handshake's included) must
     be complete within `handshake_timeout_s` of the connection, or of the first byte of a later request on a kept-
-    alive one; otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up. Past
-    `max_connections` open connections (HTTP and WebSocket) a new one gets a 503 and is closed at once."""
+    alive one; a request body must not stop for BODY_STALL_S while the server waits for it (a slow body is fine, a
+    stopped one is not); otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up.
+    Past `max_connections` open connections (HTTP and WebSocket) a new one gets a 503 and is closed at once."""
 
     def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None, *, handshake_timeout_s: float,
@@ -189,6 +195,7 @@ class GuardedH11Protocol(H11Protocol):
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections = max_connections
         self._headers_deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -206,6 +213,7 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
             self._disarm()
+        self._watch_body()
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._disarm()  # the WebSocket protocol takes the socket over: this one hears nothing more
@@ -213,7 +221,26 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_watching_body()
         super().connection_lost(exc)
+
+    def _watch_body(self) -> None:
+        """After each piece of a request: while its body is still to come, BODY_STALL_S from now."""
+        self._stop_watching_body()
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self._body_deadline = self.loop.call_later(BODY_STALL_S, self._body_stalled)
+
+    def _stop_watching_body(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_stalled(self) -> None:
+        self._body_deadline = None
+        if self.flow.read_paused:  # the server is not reading (its buffer is full): the client is not to blame
+            self._watch_body()
+            return
+        self.transport.close()  # the application sees the client gone (ClientDisconnect: counted 499)
 
     def _arm(self) -> None:
         if self._headers_deadline is None:

@@ -73,6 +73,8 @@ class VoiceCatalog:
         self._clones: dict[str, Voice] = {}
         self._stored: dict[str, tuple[StoredVoice, Voice]] = {}  # the library's, in the order they were made
         self._described = _VoiceCache(VOICE_CACHE_BYTES)  # (speaker, instructions) -> voice
+        if clones and self.variant != "base":
+            raise ValueError(f"--clone-voice needs a Base (voice clone) model; this one is {self.variant}")
         if self.variant == "custom_voice":
             self.builtin_ids = list(tts.config.speakers)
         elif self.variant == "voice_design":
@@ -99,7 +101,8 @@ class VoiceCatalog:
             voice = chosen.get(name)
             if voice is not None and not self.has(voice):
                 raise ValueError(f"--openai-voice {name}={voice}: {self._unknown(voice)}")
-            mapped[name] = self._key(voice) if voice is not None else speaker if speaker in self.ids else None
+            like = speaker if self.variant == "custom_voice" and speaker in self.builtin_ids else None
+            mapped[name] = self._key(voice) if voice is not None else like
         return mapped
 
     def openai_voice(self, voice_id: str | None) -> str | None:
@@ -115,9 +118,12 @@ class VoiceCatalog:
 
     @property
     def default(self) -> str | None:
-        """vivian, or the first voice; None for a Base model with no voice yet (one is uploaded first)."""
+        """A CustomVoice model's vivian, else the first voice (a Base model's first `--clone-voice`, else its oldest
+        stored voice: an upload never takes the default over); None for a Base model with no voice yet."""
         ids = self.ids
-        return "vivian" if "vivian" in ids else (ids[0] if ids else None)
+        if self.variant == "custom_voice" and "vivian" in self.builtin_ids:
+            return "vivian"
+        return ids[0] if ids else None
 
     def has(self, voice_id: str) -> bool:
         """A voice of that id exists (built in, given at start-up or stored); ids are case-sensitive, except the

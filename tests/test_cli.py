@@ -98,6 +98,10 @@ def test_make_checkpoint_writes_the_official_layout(tmp_path):
                      "speech_tokenizer/config.json", "speech_tokenizer/model.safetensors",
                      "speech_tokenizer/preprocessor_config.json", "tokenizer_config.json", "vocab.json"]
     assert json.loads((out / "config.json").read_text())["voxgate_random_weights"] is True  # random weights, marked
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    run = voxgate("make-checkpoint", "--size", "tiny", "--variant", "base", "-o", a_file)
+    assert run.returncode == 2 and "a checkpoint is a directory" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_serve_runs_the_readme_command_and_stops_cleanly():
@@ -156,6 +160,27 @@ def test_serve_refuses_bad_limits():
     assert run.returncode == 2 and "NAME=WAV" in run.stderr
     run = voxgate("serve", "--llm-url", "http://127.0.0.1:9/v1")
     assert run.returncode == 2 and "--llm-url and --llm-model go together" in run.stderr
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--port", "70000"], {}, "a port is 0 to 65535"),  # it hung after uvicorn's traceback
+    (["--max-batch", "0"], {}, "--max-batch must be at least 1"),  # 0 meant the default, -3 failed at start-up
+    (["--api-key", ""], {}, "--api-key is empty"),  # `--api-key "$KEY"` with KEY unset served with no key
+    (["--api-key", " "], {}, "--api-key is empty"),
+    ([], {"VOXGATE_API_KEYS": " , "}, "holds no key"),
+])
+def test_serve_refuses_bad_flags_at_once_in_one_line(args, env, message):
+    started = time.monotonic()
+    run = voxgate("serve", *args, env=env)
+    assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_serve_refuses_clone_voices_for_a_model_that_cannot_clone(tmp_path):
+    reference = tmp_path / "me.wav"
+    sf.write(reference, np.zeros(24000, np.float32), 24000)
+    run = voxgate("serve", "--port", "0", "--clone-voice", f"eve={reference}")  # the embedded CustomVoice model
+    assert run.returncode != 0 and "--clone-voice needs a Base" in run.stderr
 
 
 def unmarked_checkpoint(tiny_checkpoints, tmp_path: Path) -> Path:

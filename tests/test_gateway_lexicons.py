@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
 from realtime.gateway import Limits
+import realtime.lexicon as lexicon_module
 from realtime.lexicon import LexiconStream, parse_rules
 from tests.gateway_server import SHORT_SPEECH, running_server
 from voxgate_client.client import VoxgateClient, pcm_from_frames
@@ -137,7 +138,7 @@ def test_bad_lexicons_on_the_socket_get_their_error_and_create_nothing(server):
         await ws.send(json.dumps({"type": "session.start", "lexicon": "nowhere", "event_id": "s"}))
         error, started = await until(ws, lambda e: e["type"] == "session.started")
         assert error["code"] == "invalid_config" and "no lexicon named" in error["message"]
-        assert "lexicon" not in started and error["event_id"] == "s"  # none: the field is left out
+        assert started["lexicon"] is None and error["event_id"] == "s"  # none: null
         await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hi.",
                                   "lexicon": [{"term": "hi", "replacement": "x"}] * 2}))
         (error,) = await until(ws, lambda e: e["type"] == "error")
@@ -235,3 +236,24 @@ def test_the_speech_endpoint_refuses_a_lexicon_that_expands_past_the_text_limit(
     error = json.loads(body)["error"]
     assert status == 400 and error["code"] == "text_too_long" and str(SMALL_TEXT_LIMIT) in error["message"]
     assert speech(small_server, input="ok ok.", lexicon=[{"term": "ok", "replacement": "okay"}])[0] == 200
+
+
+def test_a_new_inline_lexicon_past_the_servers_bound_is_overloaded_and_the_session_goes_on(server, monkeypatch):
+    """The compiled lexicons alive are bounded (`lexicon.Tries`): past the bound a new inline lexicon is refused with
+    `overloaded` (503 on HTTP), not taken, and everything else works."""
+    monkeypatch.setattr(lexicon_module.TRIES, "max_nodes", 0)
+    rules = [{"term": "zebra", "replacement": "zeebra"}]
+
+    async def go():
+        ws = await raw(server)
+        await ws.send(json.dumps({"type": "session.start", "lexicon": rules, "event_id": "s"}))
+        events = await until(ws, lambda e: e["type"] == "session.started")
+        await ws.close()
+        return events
+
+    events = asyncio.run(go())
+    errors = [e for e in events if e["type"] == "error"]
+    assert [(e["code"], e["fatal"], e["event_id"]) for e in errors] == [("overloaded", False, "s")]
+    assert events[-1]["lexicon"] is None
+    status, body = speech(server, input="A zebra.", lexicon=rules)
+    assert status == 503 and json.loads(body)["error"]["code"] == "overloaded"

@@ -2,10 +2,13 @@
 rewritten exactly as the whole text, however it was split; bounds and bad rules refused by name; the named store."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import realtime.lexicon as lexicon_module
 from realtime.lexicon import (
     MAX_LEXICON_CHARS,
     Swap,
@@ -15,8 +18,10 @@ from realtime.lexicon import (
     LexiconError,
     LexiconNotFound,
     LexiconStore,
+    LexiconsBusy,
     LexiconStream,
     StoreFull,
+    Tries,
     _fold,
     _is_word,
     parse_rules,
@@ -209,3 +214,42 @@ def test_the_store_names_bounds_replaces_and_deletes():
     assert store.names() == ["medical"]
     with pytest.raises(LexiconNotFound):
         store.resolve("brands")
+
+
+TERMS = st.lists(st.text("abc", min_size=1, max_size=3), min_size=1, max_size=2).map(" ".join)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rules=st.lists(st.tuples(TERMS, st.text("xyz", max_size=4)), min_size=1, max_size=8,
+                      unique_by=lambda rule: rule[0]))
+def test_lexicons_with_the_same_rules_share_one_trie_and_distinct_ones_are_bounded(rules):
+    """A trie is built once for a set of rules while a lexicon of them lives; the nodes of the distinct tries alive
+    never pass the bound: a new distinct lexicon past it is refused (LexiconsBusy), and taken once others are gone."""
+    value = [{"term": term, "replacement": replacement} for term, replacement in rules]
+    tries = Tries(max_nodes=10_000, keep=0)
+
+    def suffixed(suffix: str) -> list[dict]:
+        return [{"term": f"{rule['term']} {suffix}", "replacement": suffix} for rule in value]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lexicon_module, "TRIES", tries)
+        first, second = parse_rules(value), parse_rules(value, name="stored")
+        assert first._root is second._root and tries.nodes == nodes_of(first._root)
+        tries.max_nodes = tries.nodes + sum(len(rule["term"]) for rule in suffixed("q")) + 1  # room for one more
+        other = parse_rules(suffixed("q"))
+        assert tries.nodes == nodes_of(first._root) + nodes_of(other._root) <= tries.max_nodes
+        with pytest.raises(LexiconsBusy):
+            parse_rules(suffixed("r"))
+        del first, second, other
+        gc.collect()
+        assert tries.nodes == 0
+        assert nodes_of(parse_rules(suffixed("r"))._root) == tries.nodes > 0
+
+
+def nodes_of(root) -> int:
+    seen, stack = 0, [root]
+    while stack:
+        node = stack.pop()
+        seen += 1
+        stack.extend(node.next.values())
+    return seen

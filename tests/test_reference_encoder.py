@@ -188,6 +188,22 @@ def test_load_reference_audio_formats(tmp_path, fmt, ext):
     np.testing.assert_array_equal(audio, expected)
 
 
+@pytest.mark.parametrize("rate, peak, refused", [
+    (1, 0.5, "sample rate of 1 Hz"), (4000, 0.5, "sample rate of 4000 Hz"),  # a 1 Hz WAV of 2 samples was a voice
+    (16000, 1e6, "samples up to 1e"), (16000, 2.5, "samples up to 2.5"),
+    (8000, 0.5, None), (16000, 1.5, None),  # telephone speech; float audio a little past full scale
+])
+def test_reference_audio_that_is_not_speech_is_refused(tmp_path, rate, peak, refused):
+    path = tmp_path / "odd.wav"
+    signal = np.sin(np.linspace(0, 200, 2 * rate)).astype(np.float32) * peak
+    sf.write(path, signal, rate, subtype="FLOAT")
+    if refused is None:
+        assert load_reference_audio(path)[1] == rate
+    else:
+        with pytest.raises(AudioInputError, match=re.escape(refused)):
+            load_reference_audio(path)
+
+
 def test_load_reference_audio_errors(tmp_path):
     with pytest.raises(AudioInputError, match="not found.*missing.wav"):
         load_reference_audio(tmp_path / "missing.wav")

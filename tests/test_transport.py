@@ -20,6 +20,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from realtime.gateway import GatewayOptions, Limits
+from realtime import server as server_module
 from realtime.server import build_server, redact
 from tests.gateway_server import running_server, serve_in_thread
 
@@ -70,6 +71,26 @@ def test_a_silent_connection_is_closed_after_the_handshake_timeout(server):
 def test_a_request_sent_a_byte_at_a_time_is_closed_after_the_handshake_timeout(server):
     with raw_socket(server) as sock:
         assert TIMEOUT_S - 0.1 <= seconds_until_closed(sock, SLOW_REQUEST) <= TIMEOUT_S + MARGIN_S
+
+
+def test_a_stopped_request_body_is_closed_and_a_slow_one_is_not(server, monkeypatch):
+    """Headers and one byte of a body, then nothing: such connections held every connection of a server (each new
+    request, /ready too, got 503) for as long as the client liked. A body that stops for BODY_STALL_S is closed; one
+    that keeps coming, however slowly, is read whole."""
+    monkeypatch.setattr(server_module, "BODY_STALL_S", 1.0)
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    with raw_socket(server) as sock:
+        sock.sendall(head)
+        assert 0.9 <= seconds_until_closed(sock) <= 1.0 + MARGIN_S
+    body = json.dumps({"input": "Hi.", "response_format": "pcm", "stream": False}).encode()
+    with raw_socket(server) as sock:  # the whole body, a byte every 0.2 s: 5x the stall bound in all
+        sock.sendall(head.replace(b"Content-Length: 100", b"Content-Length: %d" % len(body))[:-1])
+        for index in range(len(body)):
+            sock.sendall(body[index:index + 1])
+            time.sleep(0.2 if index < 25 else 0)
+        sock.settimeout(60)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
 
 
 def test_the_next_request_on_a_kept_alive_connection_has_the_same_deadline(server):

@@ -16,7 +16,7 @@ from engine.sampling import SamplingParams
 from engine.serving.async_engine import AsyncEngine
 from engine.tts import TTSModel, VoiceRequest
 from realtime.ws.speech_context import ContextAudio, ContextEnd, ContextMarker, ContextText, SpeechContext
-from realtime.ws.utterances import WIDE_UNITS, UtterancePlanner, units
+from realtime.ws.utterances import WIDE_UNITS, UtterancePlanner, _clause_ends_at, _sentence_ends_at, units
 
 LONG = "First sentence here. Second one is longer, with a clause! Is 3.14 a number? 最后一句。Tail"
 
@@ -65,6 +65,36 @@ def test_no_utterance_grows_past_its_hard_limit_and_no_text_is_lost(parts, max_c
     assert all(units(u) <= 2.5 * max_chars + 2 * WIDE_UNITS for u in whole)
     if len(text) > 1:
         assert plan(random_pieces(text, random.Random(seed)), max_chars) == whole
+
+
+def walked_plan(text: str, max_chars: int) -> list[str]:
+    """The module's rule, character by character (how the planner worked before it skipped what no rule can cut):
+    an utterance closes after a character where, with `at` units before it, a sentence ends and at >= the limit, a
+    clause ends and at >= 1.5 x, a space and at >= 2 x, or at >= 2.5 x."""
+    utterances, current, at = [], "", 0
+    for char in text:
+        whole, i = current + char, len(current)
+        if (at >= max_chars and _sentence_ends_at(whole, i) or at >= 1.5 * max_chars and _clause_ends_at(whole, i)
+                or at >= 2 * max_chars and char.isspace() or at >= 2.5 * max_chars):
+            utterances.append(whole)
+            current, at = "", 0
+        else:
+            current, at = whole, at + units(char)
+    return utterances + ([current] if current else [])
+
+
+ASCII_WORDS = st.sampled_from(["word", "3,000", "3.14", "x" * 30, "a"]) | st.text("ab.,! \n", max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.tuples(WORDS | ASCII_WORDS, GLUE), max_size=120), max_chars=st.integers(4, 60),
+       seed=st.integers(0, 2**32))
+def test_utterances_split_where_the_rule_walked_character_by_character_splits(parts, max_chars, seed):
+    text = "".join(word + glue for word, glue in parts)
+    expected = walked_plan(text, max_chars)
+    assert plan([text], max_chars) == expected
+    if len(text) > 1:
+        assert plan(random_pieces(text, random.Random(seed)), max_chars) == expected
 
 
 def test_a_page_without_a_full_stop_is_spoken_in_bounded_utterances():

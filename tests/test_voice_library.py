@@ -19,6 +19,7 @@ import soundfile as sf
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from websockets.asyncio.client import connect
 
 from engine.checkpoint import checkpoint_fingerprint
 from realtime.errors import VOICE_LIBRARY_STATUS
@@ -442,3 +443,23 @@ def test_openai_voice_names_follow_the_default_as_voices_come_and_go(base_model,
         assert httpx.delete(server.http + "/v1/audio/voices/first").status_code == 200
         assert speech(server, "alloy") == speech(server, "second") and speech(server, "alloy")[0] == 200
         assert json.loads(server.get("/v1/voices")[1])["openai_voices"]["alloy"] == "second"
+
+
+def test_an_upload_never_takes_a_base_models_default_over(base_model, tmp_path, one_thread):
+    """A Base model's default is its oldest voice (no --clone-voice here): an upload named like a CustomVoice
+    speaker ('vivian') took the default of every session and request that named no voice. With no voice at all,
+    `session.started` says `voice: null`."""
+
+    async def started_voice(server):
+        async with connect(server.ws) as ws:
+            return json.loads(await ws.recv())
+
+    with running_server(model=base_model, data_dir=tmp_path / "data") as server:
+        started = asyncio.run(started_voice(server))
+        assert started["type"] == "session.started" and "voice" in started and started["voice"] is None
+        for name in ("zed", "vivian"):
+            assert upload(server, name, wav(), transcript=TRANSCRIPT).status_code == 201
+        voices = json.loads(server.get("/v1/voices")[1])
+        assert voices["default"] == "zed" and voices["openai_voices"]["alloy"] == "zed"
+        assert asyncio.run(started_voice(server))["voice"] == "zed"
+        assert speech(server, "alloy") == speech(server, "zed")

@@ -34,6 +34,8 @@ from engine.errors import AudioInputError, CheckpointError, ReferenceTooLong, Re
 from engine.model.layers import LayerScale, RotaryEmbedding, apply_rope, repeat_kv
 
 MIN_REFERENCE_SECONDS = 0.5
+MIN_REFERENCE_RATE = 8000  # telephone speech; below it there is no voice to clone (a 2-sample, 1 Hz WAV was taken)
+MAX_REFERENCE_PEAK = 2.0  # float audio a little past full scale is taken as it is; 1e6 is not audio
 CHECKPOINT_PREFIX = "encoder."
 
 
@@ -82,6 +84,12 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
                                 f"{max(min_seconds, MIN_REFERENCE_SECONDS):g} s is needed")
     if not np.isfinite(mono).all():
         raise UnreadableAudio(f"{name} contains NaN or infinite samples")
+    if rate < MIN_REFERENCE_RATE:
+        raise UnreadableAudio(f"{name} has a sample rate of {rate} Hz; speech needs at least {MIN_REFERENCE_RATE} Hz")
+    peak = float(np.abs(mono).max())
+    if peak > MAX_REFERENCE_PEAK:
+        raise UnreadableAudio(f"{name} has samples up to {peak:.3g}: audio is within [-1, 1] (at most "
+                              f"{MAX_REFERENCE_PEAK:g} is taken)")
     return np.ascontiguousarray(mono, dtype=np.float32), rate
 
 

@@ -11,7 +11,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from realtime.audio.formats import DEFAULT_RATES, MODEL_SAMPLE_RATE, AudioFormat, UnsupportedFormat
-from realtime.lexicon import Lexicon, LexiconError
+from realtime.lexicon import Lexicon, LexiconError, LexiconsBusy
 from realtime.ws.utterances import BUFFERING
 
 PROTOCOL = "voxgate.v1"
@@ -358,6 +358,8 @@ def lexicon_of(value: Any, lexicons: LexiconSource | None, code: str, context_id
         raise ProtocolError(code, "lexicons are not available here", context_id=context_id)
     try:
         return lexicons.resolve(value)
+    except LexiconsBusy as failure:  # not the client's fault: the server holds as many as it can now
+        raise ProtocolError("overloaded", f"lexicon: {failure}", context_id=context_id) from None
     except LexiconError as failure:
         raise ProtocolError(code, f"lexicon: {failure}", context_id=context_id) from None
 
@@ -494,14 +496,16 @@ class SessionLimits(Protocol):
 
 def session_started(session_id: str, model: str, voice: str, config: SessionConfig, pre_skip: int,
                     limits: SessionLimits, event_id: Any = None) -> dict[str, Any]:
-    """The `session.started` event: the session's effective configuration and its limits."""
-    return event("session.started", session_id=session_id, protocol=PROTOCOL, model=model, voice=voice,
+    """The `session.started` event: the session's effective configuration and its limits. `voice` and `lexicon`
+    are always there, null when there is none (a Base model with no voice yet; no lexicon)."""
+    started = event("session.started", session_id=session_id, protocol=PROTOCOL, model=model, voice=voice,
                  audio=audio_description(config.audio, pre_skip), transport={"audio": config.transport},
                  text={"buffering": config.buffering, "max_buffer_delay_ms": config.max_buffer_delay_ms},
                  timestamps=config.timestamps, lexicon=lexicon_description(config.lexicon),
                  limits={"max_contexts": limits.max_contexts, "max_text_chars": limits.max_text_chars,
                          "max_message_bytes": limits.max_message_bytes, "idle_timeout_s": limits.idle_timeout_s},
                  event_id=event_id)
+    return {"voice": None, "lexicon": None} | started if voice is None or config.lexicon is None else started
 
 
 def lexicon_description(lexicon: Lexicon | None) -> dict[str, Any] | None:

@@ -102,9 +102,14 @@ class UtterancePlanner:
     def _cut(self, utterance: Utterance, text: str) -> int | None:
         """Where `text` should be cut to close the utterance, it being long (the module's docstring says where);
         None if it is not due yet."""
-        whole, start, at = utterance.text + text, len(utterance.text), utterance.units  # at: units before whole[i]
-        limit = self.max_utterance_chars
-        for i in range(start, len(whole)):
+        limit, at = self.max_utterance_chars, utterance.units  # at: units before whole[i]
+        ascii_only = text.isascii()  # a unit a character
+        if at + (1 if ascii_only else WIDE_UNITS) * len(text) < limit:
+            return None  # no rule cuts before the limit: most appends end here, unscanned
+        skip = max(0, limit - at) if ascii_only else 0  # characters before the limit, where nothing cuts
+        whole, start = utterance.text + text, len(utterance.text)
+        at += skip
+        for i in range(start + skip, len(whole)):
             char = whole[i]
             if at >= limit and _sentence_ends_at(whole, i) or at >= 1.5 * limit and _clause_ends_at(whole, i) or (
                     at >= 2 * limit and char.isspace()) or at >= 2.5 * limit:
@@ -115,6 +120,8 @@ class UtterancePlanner:
 
 def units(text: str) -> int:
     """The length of `text` as the utterance limits count it: WIDE_UNITS for a wide (CJK) character, else 1."""
+    if text.isascii():
+        return len(text)
     return sum(WIDE_UNITS if unicodedata.east_asian_width(char) in "WF" else 1 for char in text)
 
 
