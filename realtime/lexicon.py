@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import re
+import threading
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -114,32 +115,52 @@ class Tries:
 
     def __init__(self, max_nodes: int, keep: int = 8) -> None:
         self.max_nodes, self.keep = max_nodes, keep
-        self.nodes = 0  # of the distinct tries alive
+        self.nodes = 0  # of the distinct tries alive, and of those being built
         self._alive: weakref.WeakValueDictionary[tuple[Rule, ...], _Node] = weakref.WeakValueDictionary()
         self._recent: OrderedDict[tuple[Rule, ...], _Node] = OrderedDict()
+        # sockets compile on worker threads, HTTP on the event loop; reentrant: a collection inside `get` may run
+        # a trie's finalizer (`_released`) on the same thread
+        self._lock = threading.RLock()
 
     def get(self, rules: tuple[Rule, ...]) -> _Node:
-        root = self._alive.get(rules)
-        if root is None:
+        with self._lock:
+            root = self._alive.get(rules)
             size = sum(len(rule.term) for rule in rules) + 1  # at most its nodes, known before building
+            if root is None:
+                self._reserve(size)
+        if root is None:  # built outside the lock: the other threads and the event loop go on meanwhile
+            try:
+                root, nodes = _trie(rules)
+            finally:
+                with self._lock:
+                    self.nodes -= size
+            with self._lock:
+                root = self._alive.get(rules) or self._adopt(rules, root, nodes)  # another thread may have won
+        with self._lock:
+            self._recent[rules] = root
+            self._recent.move_to_end(rules)
+            while len(self._recent) > self.keep:
+                self._recent.popitem(last=False)
+        return root
+
+    def _reserve(self, size: int) -> None:
+        if self.nodes + size > self.max_nodes:
+            self._recent.clear()  # what is kept only for reuse goes first; a trie's links make cycles, so
+            gc.collect()  # the tries no lexicon holds are freed by the collector: now, once, under pressure
             if self.nodes + size > self.max_nodes:
-                self._recent.clear()  # what is kept only for reuse goes first; a trie's links make cycles, so
-                gc.collect()  # the tries no lexicon holds are freed by the collector: now, once, under pressure
-                if self.nodes + size > self.max_nodes:
-                    raise LexiconsBusy("the server holds as many distinct lexicons as it can; use a stored lexicon "
-                                       "(POST /v1/lexicons) or retry when other sessions have ended")
-            root, nodes = _trie(rules)
-            self.nodes += nodes
-            weakref.finalize(root, self._released, nodes)
-            self._alive[rules] = root
-        self._recent[rules] = root
-        self._recent.move_to_end(rules)
-        while len(self._recent) > self.keep:
-            self._recent.popitem(last=False)
+                raise LexiconsBusy("the server holds as many distinct lexicons as it can; use a stored lexicon "
+                                   "(POST /v1/lexicons) or retry when other sessions have ended")
+        self.nodes += size
+
+    def _adopt(self, rules: tuple[Rule, ...], root: _Node, nodes: int) -> _Node:
+        self.nodes += nodes
+        weakref.finalize(root, self._released, nodes)
+        self._alive[rules] = root
         return root
 
     def _released(self, nodes: int) -> None:
-        self.nodes -= nodes
+        with self._lock:
+            self.nodes -= nodes
 
 
 MAX_TRIE_NODES = 2_000_000  # ~600 MB: 40 of the largest lexicons, or 2,000 of 1,000 characters
@@ -306,6 +327,15 @@ def _rule(item: Any, index: int) -> Rule:
     return Rule(term, replacement)
 
 
+def compiled_or_as_given(value: Any) -> Lexicon | Any:
+    """Inline rules as a lexicon, on a worker thread ahead of the message that carries them; what they were if
+    refused, so that the message's own handling refuses them with its error code."""
+    try:
+        return parse_rules(value)
+    except LexiconError:
+        return value
+
+
 def check_name(name: Any) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise LexiconError("a lexicon's name is 1 to 64 letters, digits, '_', '.' or '-', starting with a letter or "
@@ -344,7 +374,10 @@ class LexiconStore:
         return list(self._lexicons)
 
     def resolve(self, value: Any) -> Lexicon:
-        """A lexicon field of a session, context or request: a stored lexicon's name, or rules given inline."""
+        """A lexicon field of a session, context or request: a stored lexicon's name, or rules given inline (already
+        compiled, `compiled_or_as_given`, or not)."""
+        if isinstance(value, Lexicon):
+            return value
         if isinstance(value, str):
             return self.get(value)
         return parse_rules(value)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from realtime.audio.encoders import StreamEncoder
 from realtime.gateway import Gateway
+from realtime.lexicon import compiled_or_as_given
 from realtime.ws.backpressure import SlowConsumerPolicy
 from realtime.ws.outbox import Outbox, Outgoing
 from realtime.ws.protocol import (
@@ -36,6 +38,9 @@ from realtime.ws.settings import SessionSettings
 log = logging.getLogger("voxgate")
 SHUTDOWN_GRACE_S = 5.0
 ABORT_GRACE_S = 2.0
+# inline lexicons are compiled here, one at a time: pure Python holds the GIL, so each compile running beside the
+# event loop takes a share of it; one at a time, the loop keeps at least half
+LEXICON_COMPILER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-lexicon")
 
 
 class Session:
@@ -97,7 +102,7 @@ class Session:
             if message.get("bytes") is not None:
                 self._error(ProtocolError("invalid_message", "binary frames carry audio only; send JSON text frames"))
             elif message.get("text") is not None:
-                self._handle_text(message["text"])
+                await self._handle_text(message["text"])
             # messages already buffered would be handled back to back: the loop's other sockets get a turn between
             # them (300 appends of 20,000 characters held every other session's ping for 1.4 s)
             await asyncio.sleep(0)
@@ -191,21 +196,38 @@ class Session:
         if self.closed:
             return False
         self._last_activity = time.monotonic()
-        return self._handle(lambda: check_message(message), rate_limited=False)
+        return self._handle(lambda: check_message(message))
 
     # --- client messages -----------------------------------------------------------------------------------------
 
-    def _handle_text(self, text: str) -> bool:
-        return self._handle(lambda: parse_message(text), rate_limited=True)
+    async def _handle_text(self, text: str) -> bool:
+        """A client's text frame: rate-limited before it is parsed (a flood costs no parse, valid or not); an inline
+        lexicon is compiled on a worker thread first (the largest takes ~0.2 s of Python: on the loop it stalled
+        every socket), then the message is handled as any other."""
+        message, refusal = None, None
+        try:
+            if not self._limiter.allow():
+                raise ProtocolError("rate_limited", f"more than {self.limits.max_message_rate:g} messages per "
+                                                    "second; this message was dropped")
+            message = parse_message(text)
+        except ProtocolError as failure:
+            refusal = failure
+        if message is not None and isinstance(message.get("lexicon"), list):
+            message["lexicon"] = await asyncio.get_running_loop().run_in_executor(
+                LEXICON_COMPILER, compiled_or_as_given, message["lexicon"])
 
-    def _handle(self, validated: Callable[[], dict[str, Any]], rate_limited: bool) -> bool:
+        def validated() -> dict[str, Any]:
+            if refusal is not None:
+                raise refusal
+            return message
+
+        return self._handle(validated)
+
+    def _handle(self, validated: Callable[[], dict[str, Any]]) -> bool:
         """Validate a message, then hand it to its handler; any refusal becomes an `error` event, echoing the
         message's event_id."""
         event_id = None
         try:
-            if rate_limited and not self._limiter.allow():  # before parsing: a flood costs no parse, valid or not
-                raise ProtocolError("rate_limited", f"more than {self.limits.max_message_rate:g} messages per "
-                                                    "second; this message was dropped")
             message = validated()
             event_id = message.get("event_id")
             if self.closing and message["type"] not in WHILE_CLOSING:
