@@ -78,6 +78,15 @@ class _Utf8FormParser(MultiPartParser):
     surrogate bytes was stored and spoken as other text); the protocol's strings are valid Unicode, so such a field
     is a malformed form."""
 
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        """Starlette's message for a long text field names no field ("Part exceeded maximum size of 16KB"): a
+        reference audio sent without a filename is such a field."""
+        part = self._current_part
+        if part.file is None and len(part.data) + end - start > self.max_part_size:
+            raise MultiPartException(f"the field {part.field_name!r} takes at most {self.max_part_size} bytes; a "
+                                     "reference audio is sent as a file part (with a filename)")
+        super().on_part_data(data, start, end)
+
     def on_part_end(self) -> None:
         part = self._current_part
         if part.file is None:

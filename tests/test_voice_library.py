@@ -463,3 +463,12 @@ def test_an_upload_never_takes_a_base_models_default_over(base_model, tmp_path, 
         assert voices["default"] == "zed" and voices["openai_voices"]["alloy"] == "zed"
         assert asyncio.run(started_voice(server))["voice"] == "zed"
         assert speech(server, "alloy") == speech(server, "zed")
+
+
+def test_a_reference_audio_sent_without_a_filename_is_named_in_its_error(hostile_server, one_thread):
+    """Starlette refused it as "Part exceeded maximum size of 16KB", naming neither the field nor the fix."""
+    response = httpx.post(hostile_server.http + "/v1/audio/voices", data={"name": "nofile"},
+                          files={"audio": (None, wav(), "audio/wav")}, timeout=60)
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and error_code(response) == "invalid_message"
+    assert "'audio'" in message and "file part" in message, message
