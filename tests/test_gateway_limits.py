@@ -86,6 +86,12 @@ def test_a_client_that_floods_and_never_reads_is_closed_not_buffered_for(server)
         async with connect(server.ws, max_queue=4, sock=sock) as ws:
             for _ in range(60_000):
                 await ws.send("x")
+            # still reading nothing until the server has handled what was sent: on a loaded machine the server (a
+            # thread of this process) lagged the sends, the client's reading began first, the queue drained as fast
+            # as it filled, and the session went idle (4008) instead
+            deadline = time.monotonic() + 120
+            while server.metric("voxgate_sessions_active") > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
             events, code = await closing_events(ws)
             return events, code
 
