@@ -196,6 +196,7 @@ class GuardedH11Protocol(H11Protocol):
         self.max_connections = max_connections
         self._headers_deadline: asyncio.TimerHandle | None = None
         self._body_deadline: asyncio.TimerHandle | None = None
+        self._upgraded = False  # the socket belongs to the WebSocket protocol now
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -217,6 +218,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._disarm()  # the WebSocket protocol takes the socket over: this one hears nothing more
+        self._upgraded = True
+        self._stop_watching_body()
         super().handle_websocket_upgrade(event)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -227,7 +230,9 @@ class GuardedH11Protocol(H11Protocol):
     def _watch_body(self) -> None:
         """After each piece of a request: while its body is still to come, BODY_STALL_S from now."""
         self._stop_watching_body()
-        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+        # an upgrade's request never reaches its end in h11 (its state stays SEND_BODY): the WebSocket protocol owns
+        # the socket, and a timer here closed every session BODY_STALL_S after its handshake
+        if self.conn.their_state is h11.SEND_BODY and not self._upgraded and not self.transport.is_closing():
             self._body_deadline = self.loop.call_later(BODY_STALL_S, self._body_stalled)
 
     def _stop_watching_body(self) -> None:

@@ -93,6 +93,23 @@ def test_a_stopped_request_body_is_closed_and_a_slow_one_is_not(server, monkeypa
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
 
 
+def test_a_websocket_session_outlives_the_body_stall_bound(server, monkeypatch):
+    """An upgrade's request stays in h11's body state: the body guard closed every session BODY_STALL_S after its
+    handshake, with no close frame (a review found it before any client did)."""
+    monkeypatch.setattr(server_module, "BODY_STALL_S", 0.5)
+
+    async def go():
+        async with connect(server.ws, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+            for ping in range(8):  # 2 s: four times the bound
+                await asyncio.sleep(0.25)
+                await ws.send(json.dumps({"type": "ping", "id": ping}))
+                pong = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                assert (pong["type"], pong["id"]) == ("pong", ping)
+
+    asyncio.run(go())
+
+
 def test_the_next_request_on_a_kept_alive_connection_has_the_same_deadline(server):
     """uvicorn's keep-alive timer stops at the first byte of the next request: without the deadline, a trickle
     would hold the connection for ever."""
