@@ -300,3 +300,31 @@ def test_a_context_whose_text_stops_gives_its_engine_slot_back_and_speaks_on_whe
     assert not [e for e in whole + paused if e["type"] == "error"]
     # the later text was spoken too: more audio than the first text alone (lengths follow the text's tokens)
     assert paused[-1]["audio_ms"] > whole[-1]["audio_ms"] > 0
+
+
+def test_text_that_stops_behind_an_utterance_still_speaking_gives_its_slot_back_too(monkeypatch):
+    """The pause came while the next utterance was still queued behind a long one (not started: no slot yet); when
+    it started later, nothing closed it and it held its slot for good (a review's finding)."""
+    monkeypatch.setattr(speech_context, "TEXT_PAUSE_S", 0.3)
+    long_text = " ".join(["word"] * 60) + "."
+
+    async def go(running):
+        async with connect(running.ws) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+            await ws.send(json.dumps({"type": "session.start", "text": {"buffering": "none"}}))
+            await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": long_text, "flush": True}))
+            await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "And then"}))
+            deadline = time.monotonic() + 120
+            while running.metric("voxgate_engine_requests_active") == 0:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            while running.metric("voxgate_engine_requests_active") != 0:  # both utterances end, no text coming
+                assert time.monotonic() < deadline, "the utterance that started after the pause kept its slot"
+                await ws.send(json.dumps({"type": "keepalive"}))
+                await asyncio.sleep(0.1)
+            await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
+            return await context_done(ws, "c")
+
+    with running_server(Limits(), synthetic_frames_per_token=SHORT_SPEECH) as running:
+        events = asyncio.run(go(running))
+    assert not [e for e in events if e["type"] == "error"] and events[-1]["audio_ms"] > 0

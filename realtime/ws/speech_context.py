@@ -146,15 +146,21 @@ class SpeechContext:
         if self._request is not None:
             self._request.cancel()
         self._task.cancel()
+        self._cancel_timers()
+
+    def _cancel_timers(self) -> None:
         for timer in [*self._timers.values(), *([self._pause] if self._pause is not None else [])]:
             timer.cancel()
 
     def _on_pause(self) -> None:
-        """No text for TEXT_PAUSE_S: an utterance that is speaking (it holds an engine slot) closes; one still
-        buffering holds no slot and waits as it was."""
+        """No text for TEXT_PAUSE_S: an utterance that is speaking (it holds an engine slot) closes. One not started
+        (buffering, or queued behind one still speaking) holds no slot yet: it is looked at again a pause later."""
         self._pause = None
         utterance = self.planner.open
-        if self._ended or utterance is None or not utterance.started:
+        if self._ended or utterance is None:
+            return
+        if not utterance.started:
+            self._pause = asyncio.get_running_loop().call_later(TEXT_PAUSE_S, self._on_pause)
             return
         self._release_held()
         self.planner.close()
@@ -192,6 +198,8 @@ class SpeechContext:
             error = await self._speak_utterances()
         except Exception as failure:  # a refused submit, a failed engine, a bug: the context ends all the same
             error = request_failure(failure, "speaking the context")
+        finally:  # its timers would keep the finished context alive (and wake nothing)
+            self._cancel_timers()
         self._events.put_nowait(ContextEnd("error" if error else "done", self.samples, error))
 
     async def _speak_utterances(self) -> VoxgateError | None:
