@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import re
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -121,21 +122,26 @@ class Tries:
         # sockets compile on worker threads, HTTP on the event loop; reentrant: a collection inside `get` may run
         # a trie's finalizer (`_released`) on the same thread
         self._lock = threading.RLock()
+        self._collected_at = -COLLECT_INTERVAL_S
 
-    def get(self, rules: tuple[Rule, ...]) -> _Node:
+    def get(self, rules: tuple[Rule, ...], bounded: bool = True) -> _Node:
+        """The trie of `rules`, shared or built; `bounded`: it counts against `max_nodes` (an inline lexicon's; a
+        stored one's is bounded by the store)."""
         with self._lock:
             root = self._alive.get(rules)
-            size = sum(len(rule.term) for rule in rules) + 1  # at most its nodes, known before building
+            size = sum(len(rule.term) for rule in rules) + 1 if bounded else 0  # at most its nodes, known before
             if root is None:
                 self._reserve(size)
         if root is None:  # built outside the lock: the other threads and the event loop go on meanwhile
             try:
                 root, nodes = _trie(rules)
-            finally:
+            except BaseException:
                 with self._lock:
                     self.nodes -= size
-            with self._lock:
-                root = self._alive.get(rules) or self._adopt(rules, root, nodes)  # another thread may have won
+                raise
+            with self._lock:  # the reservation becomes the count, in one step (another thread may have won)
+                self.nodes -= size
+                root = self._alive.get(rules) or self._adopt(rules, root, nodes if bounded else 0)
         with self._lock:
             self._recent[rules] = root
             self._recent.move_to_end(rules)
@@ -145,8 +151,10 @@ class Tries:
 
     def _reserve(self, size: int) -> None:
         if self.nodes + size > self.max_nodes:
-            self._recent.clear()  # what is kept only for reuse goes first; a trie's links make cycles, so
-            gc.collect()  # the tries no lexicon holds are freed by the collector: now, once, under pressure
+            self._recent.clear()  # what is kept only for reuse goes first; a trie's links make cycles, so the
+            if time.monotonic() - self._collected_at > COLLECT_INTERVAL_S:  # tries no lexicon holds wait for the
+                self._collected_at = time.monotonic()  # collector: run it under pressure, at most so often (a
+                gc.collect()  # full collection takes ~0.3-1 s with many tries alive)
             if self.nodes + size > self.max_nodes:
                 raise LexiconsBusy("the server holds as many distinct lexicons as it can; use a stored lexicon "
                                    "(POST /v1/lexicons) or retry when other sessions have ended")
@@ -163,6 +171,7 @@ class Tries:
             self.nodes -= nodes
 
 
+COLLECT_INTERVAL_S = 10.0
 MAX_TRIE_NODES = 2_000_000  # ~600 MB: 40 of the largest lexicons, or 2,000 of 1,000 characters
 TRIES = Tries(MAX_TRIE_NODES)
 
@@ -174,7 +183,7 @@ class Lexicon:
     _root: _Node = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_root", TRIES.get(self.rules))
+        object.__setattr__(self, "_root", TRIES.get(self.rules, bounded=self.name is None))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "rules": [{"term": r.term, "replacement": r.replacement} for r in self.rules]}
@@ -327,13 +336,13 @@ def _rule(item: Any, index: int) -> Rule:
     return Rule(term, replacement)
 
 
-def compiled_or_as_given(value: Any) -> Lexicon | Any:
-    """Inline rules as a lexicon, on a worker thread ahead of the message that carries them; what they were if
-    refused, so that the message's own handling refuses them with its error code."""
+def compiled(value: Any) -> Lexicon | LexiconError:
+    """Inline rules as a lexicon, on a worker thread ahead of the message that carries them; the refusal if they
+    are refused, which the message's own handling raises (`LexiconStore.resolve`) with its error code."""
     try:
         return parse_rules(value)
-    except LexiconError:
-        return value
+    except LexiconError as failure:
+        return failure
 
 
 def check_name(name: Any) -> str:
@@ -375,9 +384,11 @@ class LexiconStore:
 
     def resolve(self, value: Any) -> Lexicon:
         """A lexicon field of a session, context or request: a stored lexicon's name, or rules given inline (already
-        compiled, `compiled_or_as_given`, or not)."""
+        compiled on a worker thread by `compiled`, or refused there, or not)."""
         if isinstance(value, Lexicon):
             return value
+        if isinstance(value, LexiconError):  # inline rules already refused where they were compiled
+            raise value
         if isinstance(value, str):
             return self.get(value)
         return parse_rules(value)

@@ -267,9 +267,9 @@ def test_inline_lexicons_on_the_socket_are_compiled_off_the_event_loop(server, m
     threads = []
     compile_ = lexicon_module.Tries.get
 
-    def recording(self, rules):
+    def recording(self, rules, **options):
         threads.append(threading.current_thread().name)
-        return compile_(self, rules)
+        return compile_(self, rules, **options)
 
     monkeypatch.setattr(lexicon_module.Tries, "get", recording)
     rules = [{"term": "okapi", "replacement": "oh copy"}]
@@ -280,6 +280,9 @@ def test_inline_lexicons_on_the_socket_are_compiled_off_the_event_loop(server, m
         started = (await until(ws, lambda e: e["type"] == "session.started"))[-1]
         await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "An okapi.",
                                   "lexicon": [{"term": "an", "replacement": "one"}]}))
+        # a lexicon on a later append is not the context's: it is not compiled for nothing
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": " More.",
+                                  "lexicon": [{"term": "more", "replacement": "less"}]}))
         await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
         events = await until(ws, lambda e: e["type"] == "context.done")
         await ws.close()

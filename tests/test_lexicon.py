@@ -253,3 +253,16 @@ def nodes_of(root) -> int:
         seen += 1
         stack.extend(node.next.values())
     return seen
+
+
+def test_stored_lexicons_are_bounded_by_the_store_not_by_the_inline_bound():
+    """About 40 large stored lexicons (any client with the key can store them) took the whole bound: every inline
+    lexicon was refused `overloaded` for good, and the store's own limit (409 at 100) was never reached."""
+    tries = Tries(max_nodes=50, keep=0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lexicon_module, "TRIES", tries)
+        store = LexiconStore()
+        for index in range(5):
+            store.put(f"big{index}", [{"term": "x" * 40 + str(index), "replacement": "y"}])
+        assert tries.nodes == 0
+        assert parse_rules([{"term": "small", "replacement": "y"}])._root is not None and 0 < tries.nodes <= 50

@@ -505,7 +505,7 @@ def session_started(session_id: str, model: str, voice: str, config: SessionConf
                  limits={"max_contexts": limits.max_contexts, "max_text_chars": limits.max_text_chars,
                          "max_message_bytes": limits.max_message_bytes, "idle_timeout_s": limits.idle_timeout_s},
                  event_id=event_id)
-    return {"voice": None, "lexicon": None} | started if voice is None or config.lexicon is None else started
+    return started | {name: None for name in ("voice", "lexicon") if name not in started}
 
 
 def lexicon_description(lexicon: Lexicon | None) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from realtime.audio.encoders import StreamEncoder
 from realtime.gateway import Gateway
-from realtime.lexicon import compiled_or_as_given
+from realtime.lexicon import compiled
 from realtime.ws.backpressure import SlowConsumerPolicy
 from realtime.ws.outbox import Outbox, Outgoing
 from realtime.ws.protocol import (
@@ -212,9 +212,13 @@ class Session:
             message = parse_message(text)
         except ProtocolError as failure:
             refusal = failure
-        if message is not None and isinstance(message.get("lexicon"), list):
-            message["lexicon"] = await asyncio.get_running_loop().run_in_executor(
-                LEXICON_COMPILER, compiled_or_as_given, message["lexicon"])
+        if message is not None and isinstance(message.get("lexicon"), list) and self._takes_lexicon(message):
+            try:
+                message["lexicon"] = await asyncio.get_running_loop().run_in_executor(
+                    LEXICON_COMPILER, compiled, message["lexicon"])
+            except Exception:  # a bug must not take the session down
+                log.exception("session %s: compiling a lexicon failed", self.id)
+                refusal = ProtocolError("internal", "internal server error", event_id=message.get("event_id"))
 
         def validated() -> dict[str, Any]:
             if refusal is not None:
@@ -222,6 +226,14 @@ class Session:
             return message
 
         return self._handle(validated)
+
+    def _takes_lexicon(self, message: dict[str, Any]) -> bool:
+        """Whether the message's lexicon would be used: a session.start's before text has started, a text.append's
+        that opens its context (compiling one that is ignored would cost the compiler thread for nothing)."""
+        if message["type"] == "session.start":
+            return not self.settings.text_started and not self.closing
+        return message["type"] == "text.append" and not self.closing and self.contexts.takes_text_for(
+            message["context_id"]) and not self.contexts.is_open(message["context_id"])
 
     def _handle(self, validated: Callable[[], dict[str, Any]]) -> bool:
         """Validate a message, then hand it to its handler; any refusal becomes an `error` event, echoing the
