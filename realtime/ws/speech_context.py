@@ -93,6 +93,7 @@ class SpeechContext:
         self._speaking: Utterance | None = None  # the utterance that request speaks, while it does
         self._timers: dict[int, asyncio.TimerHandle] = {}  # utterance index -> its buffering deadline
         self._pause: asyncio.TimerHandle | None = None  # closes the utterance being spoken if no text comes
+        self._last_text_at = 0.0  # the loop's time of the last text planned
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     @property
@@ -115,9 +116,9 @@ class SpeechContext:
             return
         loop = asyncio.get_running_loop()
         self.planner.append(text, loop.time())
-        if self._pause is not None:
-            self._pause.cancel()
-        self._pause = loop.call_later(TEXT_PAUSE_S, self._on_pause)
+        self._last_text_at = loop.time()
+        if self._pause is None:  # one timer a context, not one an append: it looks at the last text's time
+            self._pause = loop.call_later(TEXT_PAUSE_S, self._on_pause)
         waiting = self.planner.open
         if waiting is not None and not waiting.started and waiting.index not in self._timers:
             # a hair late, so that the planner's clock has passed the delay when the timer wakes it
@@ -159,8 +160,11 @@ class SpeechContext:
         utterance = self.planner.open
         if self._ended or utterance is None:
             return
-        if not utterance.started:
-            self._pause = asyncio.get_running_loop().call_later(TEXT_PAUSE_S, self._on_pause)
+        loop = asyncio.get_running_loop()
+        quiet_s = loop.time() - self._last_text_at
+        if quiet_s < TEXT_PAUSE_S or not utterance.started:  # text came since, or no slot held yet: look again
+            self._pause = loop.call_later(TEXT_PAUSE_S - quiet_s if quiet_s < TEXT_PAUSE_S else TEXT_PAUSE_S,
+                                          self._on_pause)
             return
         self._release_held()
         self.planner.close()
