@@ -1,5 +1,6 @@
 """The CPU cost of the gateway's Opus encoding, per stream: `realtime.audio.encoders.StreamEncoder` (soxr resampling
-where the rate is not the model's, framing, libopus) on speech-like audio, for each complexity at 24 and 48 kHz.
+where the rate is not the model's, framing, libopus) on speech-like audio, for each Opus mode (`OPUS_MODES`: CELT
+alone, or libopus's speech modes) and complexity at 24 and 48 kHz.
 
 Cost is CPU microseconds per second of audio (the thread's CPU time): 10,000 us/s is 1% of a core per real-time
 stream, and 1e6 / cost the streams one core keeps up with. Threads: the same work on N threads at once, each its own
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import platform
@@ -30,7 +32,7 @@ import soxr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from realtime.audio.encoders import OPUS_COMPLEXITY, StreamEncoder  # noqa: E402
+from realtime.audio.encoders import OPUS_COMPLEXITY, OPUS_MODES, StreamEncoder, opus_mode  # noqa: E402
 from realtime.audio.formats import MODEL_SAMPLE_RATE, AudioFormat, EncodedFrame, to_int16  # noqa: E402
 
 CHUNK_SAMPLES = 2 * 1920  # the engine hands audio over in chunks of 80 ms frames: two of them
@@ -118,11 +120,12 @@ def _band_noise(rng: np.random.Generator, n: int, rate: int, low: float, high: f
     return noise / np.sqrt(np.mean(noise ** 2))
 
 
-def encode_stream(samples: np.ndarray, fmt: AudioFormat, complexity: int) -> tuple[list[EncodedFrame], float, int]:
+def encode_stream(samples: np.ndarray, fmt: AudioFormat, complexity: int,
+                  mode: str | None = None) -> tuple[list[EncodedFrame], float, int]:
     """The samples through one StreamEncoder in the engine's chunks: its frames, the thread's CPU seconds, and the
     encoder's lookahead at the output rate."""
     started = time.thread_time()
-    encoder = StreamEncoder(fmt, complexity=complexity)
+    encoder = StreamEncoder(fmt, complexity=complexity, mode=mode)
     frames = [frame for at in range(0, len(samples), CHUNK_SAMPLES)
               for frame in encoder.encode(samples[at:at + CHUNK_SAMPLES])]
     frames += encoder.finish()
@@ -167,18 +170,19 @@ def log_spectral_distance(reference: np.ndarray, decoded: np.ndarray, rate: int)
     return float(np.mean(np.sqrt(np.mean((ref_db[speech] - dec_db[speech]) ** 2, axis=1))))
 
 
-def cost_rows(samples: np.ndarray, rates: list[int], complexities: list[int], repeats: int,
-              bitrate: int) -> list[dict]:
+def cost_rows(samples: np.ndarray, rates: list[int], complexities: list[int], repeats: int, bitrate: int,
+              modes: list[str]) -> list[dict]:
     seconds = len(samples) / MODEL_SAMPLE_RATE
     rows = []
     for rate in rates:
         fmt = AudioFormat("opus", rate, 20, bitrate)
         _, pcm_cpu, _ = encode_stream(samples, AudioFormat("pcm_s16le", rate, 20), 0)  # resampling + framing alone
-        for complexity in complexities:
-            runs = [encode_stream(samples, fmt, complexity) for _ in range(repeats)]
+        for mode, complexity in itertools.product(modes, complexities):
+            runs = [encode_stream(samples, fmt, complexity, mode) for _ in range(repeats)]
             frames, _, pre_skip = runs[0]
             cost = statistics.median(cpu for _, cpu, _ in runs) / seconds * 1e6
-            rows.append({"rate": rate, "complexity": complexity, "cpu_us_per_audio_s": round(cost),
+            rows.append({"rate": rate, "mode": mode, "gateways_mode": mode == opus_mode(rate),
+                         "complexity": complexity, "cpu_us_per_audio_s": round(cost),
                          "core_share_per_stream": round(cost / 1e6, 5), "streams_per_core": round(1e6 / cost),
                          "kbit_s": round(sum(len(f.payload) for f in frames) * 8 / seconds / 1000, 2),
                          **quality(samples, decode(frames, rate), rate, pre_skip),
@@ -282,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="of synthetic speech per measurement")
     parser.add_argument("--rates", type=numbers, default=[24000, 48000], help="Opus output rates")
     parser.add_argument("--complexities", type=numbers, default=list(range(11)), help="0..10")
+    parser.add_argument("--modes", type=lambda text: text.split(","), default=list(OPUS_MODES),
+                        help=f"Opus modes, comma-separated, of {', '.join(OPUS_MODES)}")
     parser.add_argument("--threads", type=numbers, default=[1, 2, 4], help="thread counts for the throughput")
     parser.add_argument("--thread-complexity", type=int, default=OPUS_COMPLEXITY,
                         help="complexity of the threaded runs (default: the gateway's)")
@@ -291,10 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(not 0 <= c <= 10 for c in args.complexities) or args.seconds <= 0 or args.repeats < 1:
         parser.error("complexities are 0..10; --seconds and --repeats must be positive")
+    if not set(args.modes) <= set(OPUS_MODES):
+        parser.error(f"--modes are of {', '.join(OPUS_MODES)}")
     samples = speech_like(args.seconds, seed=args.seed)
     report = {"machine": machine(), "seconds": args.seconds, "bitrate": args.bitrate, "frame_ms": 20,
               "gateway_complexity": OPUS_COMPLEXITY, "chunk_samples": CHUNK_SAMPLES,
-              "cost": cost_rows(samples, args.rates, args.complexities, args.repeats, args.bitrate),
+              "cost": cost_rows(samples, args.rates, args.complexities, args.repeats, args.bitrate, args.modes),
               "threads": thread_rows(samples, args.threads, args.thread_complexity, args.bitrate),
               "gil": gil_probe(samples)}
     print(json.dumps(report, indent=1))

@@ -15,7 +15,7 @@ import soundfile
 import soxr
 
 from realtime.audio.containers import body_encoder, format_available
-from realtime.audio.encoders import OPUS_COMPLEXITY, StreamEncoder
+from realtime.audio.encoders import OPUS_COMPLEXITY, OPUS_MODES, StreamEncoder, opus_mode
 from realtime.audio.formats import (
     DEFAULT_RATES,
     HTTP_FORMATS,
@@ -47,8 +47,9 @@ def random_pieces(samples: np.ndarray, seed: int) -> list[np.ndarray]:
     return np.split(samples, cuts)
 
 
-def stream(fmt: AudioFormat, pieces: list[np.ndarray]) -> tuple[StreamEncoder, list[EncodedFrame]]:
-    encoder = StreamEncoder(fmt)
+def stream(fmt: AudioFormat, pieces: list[np.ndarray],
+           mode: str | None = None) -> tuple[StreamEncoder, list[EncodedFrame]]:
+    encoder = StreamEncoder(fmt, mode=mode)
     frames = [frame for piece in pieces for frame in encoder.encode(piece)]
     return encoder, frames + encoder.finish()
 
@@ -128,7 +129,7 @@ def test_opus_stream_decodes_to_the_whole_input(rate: int, frame_ms: int) -> Non
     assert [f.samples for f in frames] == [size] * len(frames)
     assert [f.pts for f in frames] == [i * size for i in range(len(frames))]
     assert encoder.samples_out == sum(f.samples for f in frames)
-    assert encoder.pre_skip == rate * 13 // 2000  # libopus's 6.5 ms lookahead at this rate
+    assert encoder.pre_skip == LOOKAHEAD_MS[opus_mode(rate)] * rate // 1000  # libopus's lookahead in the rate's mode
 
     audio = np.concatenate(decoded).astype(np.float32)[encoder.pre_skip:] / 32768
     reference = resampled(samples, rate)
@@ -138,6 +139,21 @@ def test_opus_stream_decodes_to_the_whole_input(rate: int, frame_ms: int) -> Non
     tail = rate // 100
     assert correlation(audio[len(reference) - tail:len(reference)], reference[-tail:]) > 0.9  # the tail came out
     assert rms(audio[len(reference):]) < 0.25 * rms(reference)  # then padding: silence, less the codec's noise
+
+
+LOOKAHEAD_MS = {"celt": 2.5, "speech": 6.5}
+
+
+@pytest.mark.parametrize("rate, mode", [(8000, "speech"), (16000, "speech"), (24000, "celt"), (48000, "celt")])
+def test_opus_mode_follows_the_rate(rate: int, mode: str) -> None:
+    """CELT alone where it is the cheaper coder at a small cost (24, 48 kHz), SILK's speech modes where they are much
+    the better coder (8, 16 kHz); the mode shows in the lookahead, which session.started gives as pre_skip."""
+    assert opus_mode(rate) == mode
+    for each in OPUS_MODES:
+        encoder = StreamEncoder(AudioFormat("opus", rate), mode=each)
+        assert encoder.pre_skip == LOOKAHEAD_MS[each] * rate // 1000
+    with pytest.raises(ValueError, match="unknown Opus mode"):
+        StreamEncoder(AudioFormat("opus", rate), mode="silk")
 
 
 def test_opus_lookahead_drain_is_what_saves_the_tail() -> None:
@@ -160,8 +176,9 @@ def test_opus_packets_follow_the_bitrate() -> None:
     assert sizes[6000] < 12000 < 32000 < sizes[64000]
 
 
-# speech through the gateway's Opus at 24 kbit/s keeps at least this (at complexity 5: ~19 dB and ~5.7 dB; at 0,
-# ~16.7 dB and ~6.2 dB; scripts/bench_opus.py)
+# speech through the gateway's Opus at 24 kbit/s keeps at least this (complexity 5, 24 kHz: CELT ~19.3 dB and
+# ~6.0 dB, the speech modes ~19.0 dB and ~5.7 dB; the speech modes at complexity 0 ~17.0 dB and ~6.2 dB;
+# scripts/bench_opus.py)
 SPEECH_SNR_FLOOR_DB = 17.0
 SPEECH_LSD_CEILING_DB = 6.5
 
@@ -173,14 +190,14 @@ def test_opus_encodes_at_the_gateways_complexity():
     assert StreamEncoder(AudioFormat("opus", 48000), complexity=10)._opus.complexity == 10
 
 
-@pytest.mark.parametrize("rate", [24000, 48000])
-def test_speech_keeps_its_quality_at_the_gateways_complexity(rate: int) -> None:
-    """Synthetic speech decodes above the quality floor; the floor means something: the same speech at 12 kbit/s
-    falls below it."""
+@pytest.mark.parametrize("rate, mode", [(24000, None), (48000, None), (24000, "speech")])
+def test_speech_keeps_its_quality_at_the_gateways_complexity(rate: int, mode: str | None) -> None:
+    """Synthetic speech decodes above the quality floor, in the rate's mode and the other; the floor means something:
+    the same speech at 12 kbit/s falls below it."""
     speech = speech_like(3.0)
 
     def scores(bitrate: int) -> dict[str, float]:
-        encoder, frames = stream(AudioFormat("opus", rate, 20, bitrate), random_pieces(speech, seed=rate))
+        encoder, frames = stream(AudioFormat("opus", rate, 20, bitrate), random_pieces(speech, seed=rate), mode)
         decoded = np.concatenate(decode_opus(frames, rate)).astype(np.float32) / 32768
         return quality(speech, decoded, rate, encoder.pre_skip)
 

@@ -44,8 +44,9 @@ def test_a_short_run_reports_cost_quality_and_threads():
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["gateway_complexity"] == OPUS_COMPLEXITY and report["machine"]["libopus"].startswith("libopus")
-    assert [(row["rate"], row["complexity"]) for row in report["cost"]] == [(24000, 0), (24000, 10), (48000, 0),
-                                                                            (48000, 10)]
+    assert [(row["rate"], row["mode"], row["complexity"]) for row in report["cost"]] == [
+        (rate, mode, complexity) for rate in (24000, 48000) for mode in ("celt", "speech") for complexity in (0, 10)]
+    assert [row["gateways_mode"] for row in report["cost"]] == [True, True, False, False] * 2
     for row in report["cost"]:
         assert row["cpu_us_per_audio_s"] > 0 and row["streams_per_core"] > 0
         assert 10 < row["kbit_s"] < 40 and row["snr_db"] > 5 and row["lsd_db"] < 10
