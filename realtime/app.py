@@ -23,7 +23,7 @@ from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway
 from realtime.lexicons_http import delete_lexicon, list_lexicons, show_lexicon, store_lexicon
-from realtime.speech_http import parse_speech_request, start_speech
+from realtime.speech_http import read_speech_request, start_speech
 from realtime.speech_response import CLIENT_GONE, CountedStream, Delivery, speech_response
 from realtime.voice_library import read_upload
 from realtime.ws.protocol import (
@@ -86,7 +86,7 @@ def create_app(gateway: Gateway) -> Starlette:
         delivery = Delivery(gateway.metrics.http, gateway.metrics.http_requests, arrived=time.monotonic())
 
         async def handle() -> Response:
-            spoken = parse_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
+            spoken = await read_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
             if spoken.sse:  # OpenAI's usage; a long input's tokens take milliseconds: off the event loop
                 delivery.input_tokens = len(await asyncio.to_thread(gateway.tts.tokenizer.encode, spoken.text))
             return await speech_response(spoken, start_speech(spoken, gateway), delivery,
@@ -120,7 +120,7 @@ def create_app(gateway: Gateway) -> Starlette:
         async def handle() -> Response:
             if request.method != "POST":  # GET or HEAD: reading never stores
                 return JSONResponse(list_lexicons(gateway.lexicons))
-            body, status = store_lexicon(await _body(request, gateway.limits.max_message_bytes), gateway.lexicons)
+            body, status = await store_lexicon(await _body(request, gateway.limits.max_message_bytes), gateway.lexicons)
             return JSONResponse(body, status_code=status)
         return await _http(request, gateway, auth, handle, needs_model=False)
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from realtime.errors import HTTPFailure
-from realtime.lexicon import LexiconError, LexiconNotFound, LexiconsBusy, LexiconStore, StoreFull
+from realtime.lexicon import (
+    LexiconError,
+    LexiconNotFound,
+    LexiconsBusy,
+    LexiconStore,
+    StoreFull,
+    check_name,
+    compile_off_loop,
+)
 from realtime.ws.protocol import ProtocolError, load_json
 
 # the store's own refusals (docs/protocol.md); a malformed lexicon is the protocol's `invalid_message`
@@ -17,16 +25,19 @@ STORE_ERRORS: tuple[tuple[type[LexiconError], int, str], ...] = (
 )
 
 
-def store_lexicon(raw: bytes, store: LexiconStore) -> tuple[dict[str, Any], int]:
-    """`POST /v1/lexicons` with `{"name", "rules"}`: the stored lexicon, 201 when new, 200 when it replaced one."""
+async def store_lexicon(raw: bytes, store: LexiconStore) -> tuple[dict[str, Any], int]:
+    """`POST /v1/lexicons` with `{"name", "rules"}`: the stored lexicon, 201 when new, 200 when it replaced one. The
+    rules are compiled on the compiler thread (`compile_off_loop`), once the name is known good."""
     try:
         body = load_json(raw or b"null")
     except ProtocolError as failure:
         raise HTTPFailure.of(failure) from None
     if not isinstance(body, dict):
         raise HTTPFailure(400, "invalid_message", "the body must be a JSON object {\"name\": ..., \"rules\": [...]}")
+    name = body.get("name")
     try:
-        lexicon, created = store.put(body.get("name"), body.get("rules"))
+        check_name(name)
+        lexicon, created = store.put(name, await compile_off_loop(body.get("rules"), name))
     except LexiconError as failure:
         raise refusal(failure) from None
     return lexicon.describe(), 201 if created else 200

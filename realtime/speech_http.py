@@ -10,6 +10,7 @@ import contextlib
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from realtime.audio.formats import HTTP_FORMATS
 from realtime.audio.time_stretch import SPEED_RANGE, TimeStretch
 from realtime.errors import HTTPFailure, engine_http_failure
 from realtime.gateway import Gateway
-from realtime.lexicon import Lexicon
+from realtime.lexicon import Lexicon, compile_off_loop
 from realtime.voices import VoiceError
 from realtime.ws.protocol import (
     FIELD_LIMITS,
@@ -64,15 +65,27 @@ FIELD_LIMITS_HTTP = {**FIELD_LIMITS, "model": MAX_NAME_CHARS, "response_format":
                      "stream_format": MAX_NAME_CHARS}
 
 
-def parse_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
-    """Validate the body with the socket's rules (protocol.load_json); raises HTTPFailure(400) naming the bad
-    field."""
+async def read_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
+    """The request in a body; an inline lexicon is compiled on the compiler thread first (`compile_off_loop`)."""
+    body = speech_body(raw)
+    if isinstance(body.get("lexicon"), list):
+        body["lexicon"] = await compile_off_loop(body["lexicon"])
+    return parse_speech_request(body, gateway)
+
+
+def speech_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, parsed with the socket's rules (protocol.load_json); raises HTTPFailure(400)."""
     try:
         body = load_json(raw or b"null")
     except ProtocolError as failure:
         raise HTTPFailure.of(failure) from None
     if not isinstance(body, dict):
         raise _bad("the body must be a JSON object")
+    return body
+
+
+def parse_speech_request(body: dict[str, Any], gateway: Gateway) -> SpeechRequest:
+    """Validate the body's fields with the socket's rules; raises HTTPFailure(400) naming the bad field."""
     _check_strings(body)
     text = body.get("input")
     if not isinstance(text, str) or not speakable(text):

@@ -292,3 +292,25 @@ def test_inline_lexicons_on_the_socket_are_compiled_off_the_event_loop(server, m
     assert started["lexicon"] == {"name": None, "rules": 1}
     assert not [e for e in events if e["type"] == "error"] and events[-1]["audio_ms"] > 0
     assert len(threads) == 2 and all(name.startswith("voxgate-lexicon") for name in threads), threads
+
+
+def test_lexicons_over_http_are_compiled_off_the_event_loop(server, monkeypatch):
+    """The same for HTTP: a speech request's inline lexicon and a stored lexicon are compiled on the compiler thread;
+    a bad name is refused before any compile."""
+    threads = []
+    compile_ = lexicon_module.Tries.get
+
+    def recording(self, rules, **options):
+        threads.append(threading.current_thread().name)
+        return compile_(self, rules, **options)
+
+    monkeypatch.setattr(lexicon_module.Tries, "get", recording)
+    status, body = speech(server, input="An okapi.", lexicon=[{"term": "okapi", "replacement": "oh copy"}])
+    assert status == 200 and len(body) > 44, body[:200]
+    status, _, body = server.post("/v1/lexicons", {"name": "animals", "rules": [{"term": "gnu", "replacement": "new"}]},
+                                  token=KEY)
+    assert status == 201 and json.loads(body)["name"] == "animals"
+    assert len(threads) == 2 and all(name.startswith("voxgate-lexicon") for name in threads), threads
+    status, _, body = server.post("/v1/lexicons", {"name": "no spaces", "rules": [{"term": "a", "replacement": "b"}]},
+                                  token=KEY)
+    assert status == 400 and "name" in json.loads(body)["error"]["message"] and len(threads) == 2

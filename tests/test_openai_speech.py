@@ -17,7 +17,7 @@ from engine.tts import TTSModel
 from realtime.cli import main
 from realtime.errors import HTTPFailure
 from realtime.gateway import Limits
-from realtime.speech_http import parse_speech_request
+from realtime.speech_http import parse_speech_request, speech_body
 from realtime.voices import OPENAI_VOICES, VoiceCatalog, parse_openai_voice
 from realtime.ws.protocol import SessionConfig, configure
 from tests.gateway_server import running_server
@@ -161,7 +161,7 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | NUMBERS | st.text(),
 def parsed(**fields) -> object:
     """The parsed request, or the HTTPFailure it raised."""
     try:
-        return parse_speech_request(json.dumps({"input": "Hi.", **fields}).encode(), GATEWAY)
+        return parse_speech_request(speech_body(json.dumps({"input": "Hi.", **fields}).encode()), GATEWAY)
     except HTTPFailure as failure:
         return failure
 

@@ -17,7 +17,7 @@ from engine.synthetic.checkpoints import default_model_dir
 from engine.synthetic.configs import model_config, speech_tokenizer_config
 from realtime.errors import HTTPFailure
 from realtime.gateway import Limits
-from realtime.speech_http import parse_speech_request
+from realtime.speech_http import parse_speech_request, speech_body
 from tests.server_process import ServerProcess, server_process
 
 HUB_ID = "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"
@@ -45,7 +45,7 @@ GATEWAY = SimpleNamespace(limits=Limits(), model_name="Qwen3-TTS-12Hz-1.7B-Custo
 
 
 def parse(**body):
-    return parse_speech_request(json.dumps({"input": "Hi.", **body}).encode(), GATEWAY)
+    return parse_speech_request(speech_body(json.dumps({"input": "Hi.", **body}).encode()), GATEWAY)
 
 
 @pytest.mark.parametrize("body, layout", [({}, "streaming"), ({"non_streaming_mode": True}, "prefill"),

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from realtime.audio.encoders import StreamEncoder
 from realtime.gateway import Gateway
-from realtime.lexicon import compiled
+from realtime.lexicon import compile_off_loop
 from realtime.ws.backpressure import SlowConsumerPolicy
 from realtime.ws.outbox import Outbox, Outgoing
 from realtime.ws.protocol import (
@@ -38,9 +37,6 @@ from realtime.ws.settings import SessionSettings
 log = logging.getLogger("voxgate")
 SHUTDOWN_GRACE_S = 5.0
 ABORT_GRACE_S = 2.0
-# inline lexicons are compiled here, one at a time: pure Python holds the GIL, so each compile running beside the
-# event loop takes a share of it; one at a time, the loop keeps at least half
-LEXICON_COMPILER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-lexicon")
 
 
 class Session:
@@ -214,8 +210,7 @@ class Session:
             refusal = failure
         if message is not None and isinstance(message.get("lexicon"), list) and self._takes_lexicon(message):
             try:
-                message["lexicon"] = await asyncio.get_running_loop().run_in_executor(
-                    LEXICON_COMPILER, compiled, message["lexicon"])
+                message["lexicon"] = await compile_off_loop(message["lexicon"])
             except Exception:  # a bug must not take the session down
                 log.exception("session %s: compiling a lexicon failed", self.id)
                 refusal = ProtocolError("internal", "internal server error", event_id=message.get("event_id"))
