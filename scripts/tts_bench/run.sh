@@ -43,20 +43,7 @@ export PYTHONPATH="$SRC/tts_bench/src:$LIB${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" -c "import tts_bench.cli" || { echo "tts_bench cannot be imported: a dependency is missing" >&2; exit 1; }
 
 # the server must be warm: tts_bench checks /health only, which answers before the model is loaded
-"$PYTHON" - "$BASE_URL" <<'PY'
-import sys, time, urllib.request
-deadline = time.monotonic() + 600
-while True:
-    try:
-        with urllib.request.urlopen(sys.argv[1].rstrip("/") + "/ready", timeout=5) as response:
-            if response.status == 200:
-                break
-    except OSError:
-        pass
-    if time.monotonic() > deadline:
-        sys.exit(f"{sys.argv[1]} was not ready within 600 s")
-    time.sleep(1)
-PY
+"$PYTHON" "$ROOT/scripts/device/wait_ready.py" "$BASE_URL" 600 || exit 1
 
 mkdir -p "$RESULTS"
 status=0
