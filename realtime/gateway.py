@@ -46,8 +46,10 @@ REFAIL_WINDOW_S = 60.0  # an engine that fails again this soon after its restart
 RESTART_TIMEOUT_S = 300.0  # for each of building and warming up a new engine
 # Engine slots on a GPU: as many KV slots of the engine's context as this share of the free memory holds once the
 # model is loaded (the rest: the codec decoder's states and graphs, activations), rounded down to a graph bucket, up
-# to the largest. An H100 with the 1.7B model: ~49 GB, 192 slots of 2,048 positions.
-GPU_KV_MEMORY_SHARE = 0.65
+# to the largest. An H100 with the 1.7B model: 56 GiB, 256 slots of 2,048 positions (the rest of the engine ~7 GiB:
+# `scripts/gpu_memory.py`); at 256 slots the 256-session start burst and the stress load fared better than at 192
+# (docs/benchmarks.md, "256 slots").
+GPU_KV_MEMORY_SHARE = 0.8
 GPU_MAX_SLOTS = 256
 # Scheduling on a GPU: chunks sized by each stream's buffer and prefills held while a running stream's buffer is thin.
 # Under tts_bench at 40 req/s they cut the underrun requests sevenfold (docs/benchmarks.md); on the CPU, where the

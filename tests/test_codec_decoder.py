@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine.config import parse_speech_tokenizer_config
+from engine.core.codec_decoding import DecoderPool, _Graph
 from engine.model.codec_decoder import CodecDecoder
 from engine.synthetic.checkpoints import _randomize
 from engine.synthetic.configs import speech_tokenizer_config
@@ -120,3 +121,44 @@ def test_the_fast_path_decodes_as_the_plain_one(decoder: CodecDecoder) -> None:
     streamed = torch.cat([fast.decode_step(codes[:, i:i + 4], state) for i in range(0, 9, 4)], dim=1)
     assert relative_error(streamed, plain) < 1e-5
     assert not any(module.fast_path for module in decoder.modules() if hasattr(module, "fast_path"))
+
+
+class _ReplayedInPlace:
+    """What a captured decode graph does, run eagerly: the pool's gather-decode-scatter on the graph's static inputs,
+    its output written over the same buffer each replay (as a CUDA graph's is)."""
+
+    def __init__(self, pool: DecoderPool, graph) -> None:
+        self.pool, self.target = pool, graph
+
+    def replay(self) -> None:
+        audio = self.pool._decode(self.target.slots, self.target.codes)
+        if self.target.audio is None:
+            self.target.audio = audio
+        else:
+            self.target.audio.copy_(audio)
+
+
+@torch.inference_mode()
+def test_a_call_past_the_largest_graph_decodes_in_slices_of_it(decoder: CodecDecoder) -> None:
+    """More rows than the largest captured bucket: the call runs as slices of that graph (the 256-row graphs cost
+    4.8 GiB of the GPU), each slice's audio copied out before the same graph overwrites it, every row's state carried
+    on. Against each request decoded alone over two calls."""
+    slots, rows, largest = 6, 5, 2
+    pool = DecoderPool(decoder, slots, torch.device("cpu"), torch.float32)
+    for size in (1, 2):
+        graph = _Graph.__new__(_Graph)  # its inputs as _Graph makes them; no CUDA graph on the CPU
+        graph.slots = torch.full((size,), pool.scratch_slot, dtype=torch.long)
+        graph.codes = torch.zeros(size, 1, decoder.cfg.num_quantizers, dtype=torch.long)
+        graph.audio, graph.graph = None, _ReplayedInPlace(pool, graph)
+        pool.graphs[(size, 1)] = graph
+    alone = DecoderPool(decoder, slots, torch.device("cpu"), torch.float32)
+    codes = random_codes(2, batch=rows, seed=3)
+    order = [4, 0, 3, 1, 2]  # slots out of order
+    for frame in range(2):
+        sliced = pool.decode(order, codes[:, frame:frame + 1])
+        expected = torch.cat([alone.decode([slot], codes[row:row + 1, frame:frame + 1])
+                              for row, slot in enumerate(order)])
+        assert sliced.shape == (rows, 1920) and largest < rows
+        assert relative_error(sliced, expected) < 1e-5
+        for row in range(rows):  # no row holds another's audio (a slice overwritten before it was copied out)
+            assert relative_error(sliced[row], expected[row]) < 1e-4

@@ -20,7 +20,9 @@ import torch
 
 from engine.model.codec_decoder import CodecDecoder, DecoderState
 
-DECODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# A call of more rows than the largest graph runs as slices of it: the 256-row graphs' memory pool took 4.8 GiB of
+# the GPU more than the 128-row ones (`scripts/gpu_memory.py`, docs/benchmarks.md), room for 20 more KV slots.
 # cuDNN algorithms timed per convolution shape at capture: its 3 best-ranked were as fast as its default 10, and the
 # server starts 13 s sooner (docs/benchmarks.md)
 BENCHMARK_LIMIT = 3
@@ -85,12 +87,21 @@ class DecoderPool:
 
         The inputs go up from pinned memory, so a call queued on a side stream never waits for the host."""
         rows, frames = codes.shape[:2]
-        size = next((b for b in DECODER_BUCKETS if b >= rows), None)
-        graph = self.graphs.get((size, frames))
         device = self.state.position.device
         index, codes = (_upload(torch.tensor(slots), device), _upload(codes, device))
-        if graph is None:  # one request a call: batch-invariant audio (module docstring)
+        largest = max((size for size, length in self.graphs if length == frames), default=0)
+        if not largest:  # one request a call: batch-invariant audio (module docstring)
             return torch.cat([self._decode(index[row:row + 1], codes[row:row + 1]) for row in range(rows)])
+        if rows <= largest:
+            return self._replay(index, codes)
+        # each slice's audio is copied out before the next replay of the same graph overwrites it
+        return torch.cat([self._replay(index[at:at + largest], codes[at:at + largest]).clone()
+                          for at in range(0, rows, largest)])
+
+    def _replay(self, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """The graph of the smallest bucket that holds these rows, replayed; its output, valid until its next replay."""
+        rows, frames = codes.shape[:2]
+        graph = self.graphs[(next(b for b in DECODER_BUCKETS if b >= rows), frames)]
         graph.slots[:rows].copy_(index)
         graph.slots[rows:] = self.scratch_slot
         graph.codes[:rows].copy_(codes)
