@@ -216,6 +216,11 @@ class GuardedH11Protocol(H11Protocol):
             self._disarm()
         self._watch_body()
 
+    def on_response_complete(self) -> None:
+        """A pipelined request, already read, starts here rather than in `data_received`: its body is watched too."""
+        super().on_response_complete()
+        self._watch_body()
+
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._disarm()  # the WebSocket protocol takes the socket over: this one hears nothing more
         self._upgraded = True

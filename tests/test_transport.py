@@ -93,6 +93,21 @@ def test_a_stopped_request_body_is_closed_and_a_slow_one_is_not(server, monkeypa
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
 
 
+def test_a_pipelined_request_whose_body_stops_is_closed_too(server, monkeypatch):
+    """A request sent behind another on the same write starts when the first has been answered, not when bytes
+    arrive: its stopped body was not watched, and held the connection for good."""
+    monkeypatch.setattr(server_module, "BODY_STALL_S", 1.0)
+    first = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    stalled = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+               b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    with raw_socket(server) as sock:
+        sock.sendall(first + stalled)
+        response = b""
+        while b'{"status":"ok"}' not in response:
+            response += sock.recv(4096)
+        assert 0.9 <= seconds_until_closed(sock) <= 1.0 + MARGIN_S
+
+
 def test_a_websocket_session_outlives_the_body_stall_bound(server, monkeypatch):
     """An upgrade's request stays in h11's body state: the body guard closed every session BODY_STALL_S after its
     handshake, with no close frame (a review found it before any client did)."""
