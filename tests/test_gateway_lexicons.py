@@ -260,10 +260,9 @@ def test_a_new_inline_lexicon_past_the_servers_bound_is_overloaded_and_the_sessi
     assert status == 503 and json.loads(body)["error"]["code"] == "overloaded"
 
 
-def test_inline_lexicons_on_the_socket_are_compiled_off_the_event_loop(server, monkeypatch):
-    """The largest lexicon allowed takes ~0.2 s of Python to compile: on the event loop it stalled every socket
-    (a hostile try: 1.1 s for 10 messages). A socket's inline lexicon, on session.start or a first append, is compiled
-    on the compiler thread; what it was given to the engine is the same lexicon."""
+@pytest.fixture
+def compile_threads(monkeypatch) -> list[str]:
+    """The names of the threads that compile lexicons (each trie's lookup), in order, while the test runs."""
     threads = []
     compile_ = lexicon_module.Tries.get
 
@@ -272,6 +271,13 @@ def test_inline_lexicons_on_the_socket_are_compiled_off_the_event_loop(server, m
         return compile_(self, rules, **options)
 
     monkeypatch.setattr(lexicon_module.Tries, "get", recording)
+    return threads
+
+
+def test_inline_lexicons_on_the_socket_are_compiled_off_the_event_loop(server, compile_threads):
+    """The largest lexicon allowed takes ~0.2 s of Python to compile: on the event loop it stalled every socket
+    (a hostile try: 1.1 s for 10 messages). A socket's inline lexicon, on session.start or a first append, is compiled
+    on the compiler thread; what it was given to the engine is the same lexicon."""
     rules = [{"term": "okapi", "replacement": "oh copy"}]
 
     async def go():
@@ -291,26 +297,18 @@ def test_inline_lexicons_on_the_socket_are_compiled_off_the_event_loop(server, m
     started, events = asyncio.run(go())
     assert started["lexicon"] == {"name": None, "rules": 1}
     assert not [e for e in events if e["type"] == "error"] and events[-1]["audio_ms"] > 0
-    assert len(threads) == 2 and all(name.startswith("voxgate-lexicon") for name in threads), threads
+    assert [name.split("_")[0] for name in compile_threads] == ["voxgate-lexicon"] * 2, compile_threads
 
 
-def test_lexicons_over_http_are_compiled_off_the_event_loop(server, monkeypatch):
+def test_lexicons_over_http_are_compiled_off_the_event_loop(server, compile_threads):
     """The same for HTTP: a speech request's inline lexicon and a stored lexicon are compiled on the compiler thread;
     a bad name is refused before any compile."""
-    threads = []
-    compile_ = lexicon_module.Tries.get
-
-    def recording(self, rules, **options):
-        threads.append(threading.current_thread().name)
-        return compile_(self, rules, **options)
-
-    monkeypatch.setattr(lexicon_module.Tries, "get", recording)
     status, body = speech(server, input="An okapi.", lexicon=[{"term": "okapi", "replacement": "oh copy"}])
     assert status == 200 and len(body) > 44, body[:200]
     status, _, body = server.post("/v1/lexicons", {"name": "animals", "rules": [{"term": "gnu", "replacement": "new"}]},
                                   token=KEY)
     assert status == 201 and json.loads(body)["name"] == "animals"
-    assert len(threads) == 2 and all(name.startswith("voxgate-lexicon") for name in threads), threads
+    assert [name.split("_")[0] for name in compile_threads] == ["voxgate-lexicon"] * 2, compile_threads
     status, _, body = server.post("/v1/lexicons", {"name": "no spaces", "rules": [{"term": "a", "replacement": "b"}]},
                                   token=KEY)
-    assert status == 400 and "name" in json.loads(body)["error"]["message"] and len(threads) == 2
+    assert status == 400 and "name" in json.loads(body)["error"]["message"] and len(compile_threads) == 2
