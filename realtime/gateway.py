@@ -44,12 +44,14 @@ STALLED_STEP_S = 30.0  # a step running longer than this means the device hangs:
 WATCHDOG_INTERVAL_S = 1.0  # how often the watchdog looks for a stalled step
 REFAIL_WINDOW_S = 60.0  # an engine that fails again this soon after its restart has failed for good
 RESTART_TIMEOUT_S = 300.0  # for each of building and warming up a new engine
-# Engine slots on a GPU: as many KV slots of the engine's context as this share of the free memory holds once the
-# model is loaded (the rest: the codec decoder's states and graphs, activations), rounded down to a graph bucket, up
-# to the largest. An H100 with the 1.7B model: 56 GiB, 256 slots of 2,048 positions (the rest of the engine ~7 GiB:
-# `scripts/gpu_memory.py`); at 256 slots the 256-session start burst and the stress load fared better than at 192
-# (docs/benchmarks.md, "256 slots").
-GPU_KV_MEMORY_SHARE = 0.8
+# Engine slots on a GPU: as many KV slots of the engine's context as GPU_KV_MEMORY_SHARE of the free memory holds once
+# the model is loaded, less whatever would leave under GPU_ENGINE_RESERVE free (the codec decoder's graphs and states,
+# the step's graphs, eager decodes, voice-clone encodes), rounded down to a graph bucket, up to the largest. An H100
+# with the 1.7B model: 56 GiB, 256 slots of 2,048 positions (the rest of the engine ~7 GiB: `scripts/gpu_memory.py`;
+# 73.4 of 81.6 GB in use under load); at 256 slots the 256-session start burst and the stress load fared better than
+# at 192 (docs/benchmarks.md, "256 slots").
+GPU_KV_MEMORY_SHARE = 0.85
+GPU_ENGINE_RESERVE = 12 * 2 ** 30
 GPU_MAX_SLOTS = 256
 # Scheduling on a GPU: chunks sized by each stream's buffer and prefills held while a running stream's buffer is thin.
 # Under tts_bench at 40 req/s they cut the underrun requests sevenfold (docs/benchmarks.md); on the CPU, where the
@@ -261,8 +263,8 @@ class Gateway:
         return engine
 
     def _engine_config(self) -> EngineConfig:
-        """On a GPU the slots fill GPU_KV_MEMORY_SHARE of its free memory, up to GPU_MAX_SLOTS (`--max-batch` sets
-        them instead); on the CPU 8."""
+        """On a GPU the slots fill GPU_KV_MEMORY_SHARE of its free memory less GPU_ENGINE_RESERVE, up to GPU_MAX_SLOTS
+        (`--max-batch` sets them instead); on the CPU 8."""
         options = self.options
         schedule, admission = GPU_SCHEDULING if self._gpu() else ("fixed", "all")
         common = dict(synthetic_frames_per_token=options.synthetic_frames_per_token,
@@ -270,7 +272,8 @@ class Gateway:
         if self._gpu():
             sized = options.max_batch is None
             return EngineConfig(max_batch=options.max_batch or GPU_MAX_SLOTS,
-                                kv_memory_share=GPU_KV_MEMORY_SHARE if sized else None, step_mode="graphs",
+                                kv_memory_share=GPU_KV_MEMORY_SHARE if sized else None,
+                                kv_memory_reserve_bytes=GPU_ENGINE_RESERVE, step_mode="graphs",
                                 attention_backend="triton", frame_path="triton", **common)
         return EngineConfig(max_batch=options.max_batch or 8, **common)
 

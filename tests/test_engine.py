@@ -241,10 +241,29 @@ def test_slots_sized_by_free_memory_are_a_graph_bucket(tts, monkeypatch):
     size so that a full batch is still graphed; given a fixed budget the slots are exactly what it holds."""
     layers = tts.config.talker.layers
     per_slot = 2 * layers.num_hidden_layers * layers.num_key_value_heads * layers.head_dim * 100 * 4
-    monkeypatch.setattr(Engine, "_free_memory_share", staticmethod(lambda device, share: int(200.5 * per_slot)))
+    monkeypatch.setattr(Engine, "_free_memory", staticmethod(lambda device: int(200.5 * per_slot / 0.65)))
     assert Engine(tts, EngineConfig(max_batch=256, capacity=100, kv_memory_share=0.65)).slots == 192
     assert Engine(tts, EngineConfig(max_batch=100, capacity=100, kv_memory_share=0.65)).slots == 96
     assert Engine(tts, EngineConfig(max_batch=256, capacity=100, kv_budget_bytes=200 * per_slot)).slots == 200
+
+
+@pytest.mark.parametrize("free_slots, reserve_slots, share, expected", [
+    (300, 10, 0.85, 255),  # the share (255) is less than free less the reserve (290)
+    (300, 60, 0.85, 240),  # the reserve binds: 300 - 60
+    (300, 200, 0.85, 127.5),  # the reserve would leave less than half the share: half the share
+])
+def test_the_kv_budget_keeps_the_reserve_free_but_at_least_half_the_share(tts, monkeypatch, free_slots, reserve_slots,
+                                                                          share, expected):
+    """The server's sizing: a share of the free memory, less whatever would leave under the reserve for the rest of
+    the engine (an H100's 256 slots then do not hang on half a GiB of spare memory), never under half the share (a
+    small GPU still gets slots). Budgets in slots of the tiny model here."""
+    layers = tts.config.talker.layers
+    per_slot = 2 * layers.num_hidden_layers * layers.num_key_value_heads * layers.head_dim * 100 * 4
+    monkeypatch.setattr(Engine, "_free_memory", staticmethod(lambda device: free_slots * per_slot))
+    config = EngineConfig(capacity=100, kv_memory_share=share, kv_memory_reserve_bytes=reserve_slots * per_slot)
+    assert Engine._kv_budget(tts.device, config) == int(expected * per_slot)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        Engine._kv_budget(tts.device, EngineConfig(kv_memory_share=1.5))
 
 
 @pytest.mark.parametrize("joined_at", [0, 3])

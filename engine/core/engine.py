@@ -45,6 +45,10 @@ class EngineConfig:
     # if set (and no kv_budget_bytes), the budget is this share of the device's free memory once the model is loaded:
     # slots sized by the GPU, as LLM servers size their KV cache
     kv_memory_share: float | None = None
+    # with kv_memory_share: free memory kept from the KV cache however large the share, for the rest of the engine
+    # (the decoder's graphs and states) and the runtime (eager decodes, voice-clone encodes); never more than half the
+    # share's budget, so that a small GPU still gets slots
+    kv_memory_reserve_bytes: int = 0
     max_waiting: int = 256
     max_prefill_batch: int = 16
     first_chunk_frames: int = 1
@@ -72,7 +76,7 @@ class Engine:
         self.length = (None if config.synthetic_frames_per_token is None else
                        SyntheticLength.for_model(config.synthetic_frames_per_token, tts.config, str(tts.model_dir)))
         layers = tts.config.talker.layers
-        budget = config.kv_budget_bytes or self._free_memory_share(tts.device, config.kv_memory_share)
+        budget = config.kv_budget_bytes or self._kv_budget(tts.device, config)
         if budget is None:
             shape = CacheShape(layers.num_hidden_layers, layers.num_key_value_heads, layers.head_dim,
                                config.max_batch, config.capacity)
@@ -91,14 +95,25 @@ class Engine:
                                                         admission=config.admission)
         self._ids = count(1)
 
-    @staticmethod
-    def _free_memory_share(device: torch.device, share: float | None) -> int | None:
-        """`share` of the GPU's free memory in bytes (None on the CPU or without a share: slots as configured)."""
-        if share is None or device.type != "cuda":
+    @classmethod
+    def _kv_budget(cls, device: torch.device, config: EngineConfig) -> int | None:
+        """The KV cache's bytes from the GPU's free memory: its `kv_memory_share`, less whatever would leave under
+        `kv_memory_reserve_bytes` free, but at least half the share (None on the CPU or without a share: slots as
+        configured)."""
+        share = config.kv_memory_share
+        if share is None:
             return None
         if not 0.0 < share < 1.0:
             raise ValueError(f"kv_memory_share must be between 0 and 1, got {share}")
-        return int(torch.cuda.mem_get_info(device)[0] * share)
+        free = cls._free_memory(device)
+        if free is None:
+            return None
+        return int(max(free * share / 2, min(free * share, free - config.kv_memory_reserve_bytes)))
+
+    @staticmethod
+    def _free_memory(device: torch.device) -> int | None:
+        """The device's free bytes; None on the CPU."""
+        return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
     @property
     def slots(self) -> int:
