@@ -125,31 +125,30 @@ def test_the_fast_path_decodes_as_the_plain_one(decoder: CodecDecoder) -> None:
 
 class _ReplayedInPlace:
     """What a captured decode graph does, run eagerly: the pool's gather-decode-scatter on the graph's static inputs,
-    its output written over the same buffer each replay (as a CUDA graph's is)."""
+    its output written into memory that every graph of the pool shares (as CUDA graphs captured into one pool may:
+    any replay can overwrite another graph's output)."""
 
-    def __init__(self, pool: DecoderPool, graph) -> None:
+    def __init__(self, pool: DecoderPool, graph, shared: torch.Tensor) -> None:
         self.pool, self.target = pool, graph
+        graph.audio = shared[: graph.slots.shape[0]]
 
     def replay(self) -> None:
-        audio = self.pool._decode(self.target.slots, self.target.codes)
-        if self.target.audio is None:
-            self.target.audio = audio
-        else:
-            self.target.audio.copy_(audio)
+        self.target.audio.copy_(self.pool._decode(self.target.slots, self.target.codes))
 
 
 @torch.inference_mode()
 def test_a_call_past_the_largest_graph_decodes_in_slices_of_it(decoder: CodecDecoder) -> None:
     """More rows than the largest captured bucket: the call runs as slices of that graph (the 256-row graphs cost
-    4.8 GiB of the GPU), each slice's audio copied out before the same graph overwrites it, every row's state carried
+    4.8 GiB of the GPU), each slice's audio copied out before a later replay overwrites it, every row's state carried
     on. Against each request decoded alone over two calls."""
     slots, rows, largest = 6, 5, 2
     pool = DecoderPool(decoder, slots, torch.device("cpu"), torch.float32)
+    shared = torch.empty(largest, 1920)  # one pool: every graph's output starts at its first row
     for size in (1, 2):
         graph = _Graph.__new__(_Graph)  # its inputs as _Graph makes them; no CUDA graph on the CPU
         graph.slots = torch.full((size,), pool.scratch_slot, dtype=torch.long)
         graph.codes = torch.zeros(size, 1, decoder.cfg.num_quantizers, dtype=torch.long)
-        graph.audio, graph.graph = None, _ReplayedInPlace(pool, graph)
+        graph.graph = _ReplayedInPlace(pool, graph, shared)
         pool.graphs[(size, 1)] = graph
     alone = DecoderPool(decoder, slots, torch.device("cpu"), torch.float32)
     codes = random_codes(2, batch=rows, seed=3)
@@ -160,5 +159,5 @@ def test_a_call_past_the_largest_graph_decodes_in_slices_of_it(decoder: CodecDec
                               for row, slot in enumerate(order)])
         assert sliced.shape == (rows, 1920) and largest < rows
         assert relative_error(sliced, expected) < 1e-5
-        for row in range(rows):  # no row holds another's audio (a slice overwritten before it was copied out)
+        for row in range(rows):  # no row holds another's (a slice overwritten by a later replay before it was copied)
             assert relative_error(sliced[row], expected[row]) < 1e-4

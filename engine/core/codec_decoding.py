@@ -94,12 +94,14 @@ class DecoderPool:
             return torch.cat([self._decode(index[row:row + 1], codes[row:row + 1]) for row in range(rows)])
         if rows <= largest:
             return self._replay(index, codes)
-        # each slice's audio is copied out before the next replay of the same graph overwrites it
+        # each slice's audio is copied out before the next replay: the graphs share one memory pool, so any replay
+        # may overwrite another graph's output
         return torch.cat([self._replay(index[at:at + largest], codes[at:at + largest]).clone()
                           for at in range(0, rows, largest)])
 
     def _replay(self, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """The graph of the smallest bucket that holds these rows, replayed; its output, valid until its next replay."""
+        """The graph of the smallest bucket that holds these rows, replayed; its output, valid until the next replay
+        of any graph of the pool."""
         rows, frames = codes.shape[:2]
         graph = self.graphs[(next(b for b in DECODER_BUCKETS if b >= rows), frames)]
         graph.slots[:rows].copy_(index)
