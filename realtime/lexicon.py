@@ -124,8 +124,8 @@ class Tries:
         self.nodes = 0  # of the distinct tries alive, and of those being built
         self._alive: weakref.WeakValueDictionary[tuple[Rule, ...], _Node] = weakref.WeakValueDictionary()
         self._recent: OrderedDict[tuple[Rule, ...], _Node] = OrderedDict()
-        # sockets compile on worker threads, HTTP on the event loop; reentrant: a collection inside `get` may run
-        # a trie's finalizer (`_released`) on the same thread
+        # client lexicons compile on LEXICON_COMPILER, while the event loop's lexicons are released (a finalizer runs
+        # where the last reference goes); reentrant: a collection inside `get` may run `_released` on the same thread
         self._lock = threading.RLock()
         self._collected_at = -COLLECT_INTERVAL_S
 
@@ -374,13 +374,19 @@ class LexiconStore:
     def put(self, name: Any, rules: Any) -> tuple[Lexicon, bool]:
         """Store (or replace) a lexicon; returns it and whether it is new. `rules`: a client's, or what `compiled`
         made of them under this name. Raises LexiconError, or StoreFull."""
-        name = check_name(name)
+        self.check_room(name)
         lexicon = self.resolve(rules) if isinstance(rules, Lexicon | LexiconError) else parse_rules(rules, name)
-        if name not in self._lexicons and len(self._lexicons) >= self.capacity:
-            raise StoreFull(f"at most {self.capacity} lexicons are stored; delete one first")
+        if lexicon.name != name:
+            raise ValueError(f"a lexicon compiled as {lexicon.name!r} stored as {name!r}")
+        self.check_room(name)  # another may have been stored meanwhile
         created = name not in self._lexicons
         self._lexicons[name] = lexicon
         return lexicon, created
+
+    def check_room(self, name: Any) -> None:
+        """Raises LexiconError for a bad name, StoreFull where storing `name` would pass the capacity."""
+        if check_name(name) not in self._lexicons and len(self._lexicons) >= self.capacity:
+            raise StoreFull(f"at most {self.capacity} lexicons are stored; delete one first")
 
     def get(self, name: str) -> Lexicon:
         lexicon = self._lexicons.get(name)

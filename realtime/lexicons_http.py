@@ -11,7 +11,6 @@ from realtime.lexicon import (
     LexiconsBusy,
     LexiconStore,
     StoreFull,
-    check_name,
     compile_off_loop,
 )
 from realtime.ws.protocol import ProtocolError, load_json
@@ -27,7 +26,7 @@ STORE_ERRORS: tuple[tuple[type[LexiconError], int, str], ...] = (
 
 async def store_lexicon(raw: bytes, store: LexiconStore) -> tuple[dict[str, Any], int]:
     """`POST /v1/lexicons` with `{"name", "rules"}`: the stored lexicon, 201 when new, 200 when it replaced one. The
-    rules are compiled on the compiler thread (`compile_off_loop`), once the name is known good."""
+    rules are compiled on the compiler thread (`compile_off_loop`), once the name is known good and has room."""
     try:
         body = load_json(raw or b"null")
     except ProtocolError as failure:
@@ -36,7 +35,7 @@ async def store_lexicon(raw: bytes, store: LexiconStore) -> tuple[dict[str, Any]
         raise HTTPFailure(400, "invalid_message", "the body must be a JSON object {\"name\": ..., \"rules\": [...]}")
     name = body.get("name")
     try:
-        check_name(name)
+        store.check_room(name)
         lexicon, created = store.put(name, await compile_off_loop(body.get("rules"), name))
     except LexiconError as failure:
         raise refusal(failure) from None

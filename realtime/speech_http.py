@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -66,11 +66,14 @@ FIELD_LIMITS_HTTP = {**FIELD_LIMITS, "model": MAX_NAME_CHARS, "response_format":
 
 
 async def read_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
-    """The request in a body; an inline lexicon is compiled on the compiler thread first (`compile_off_loop`)."""
+    """The request in a body; an inline lexicon is compiled on the compiler thread (`compile_off_loop`), once every
+    other field has passed (a refused request costs no compile)."""
     body = speech_body(raw)
-    if isinstance(body.get("lexicon"), list):
-        body["lexicon"] = await compile_off_loop(body["lexicon"])
-    return parse_speech_request(body, gateway)
+    rules = body.pop("lexicon") if isinstance(body.get("lexicon"), list) else None
+    request = parse_speech_request(body, gateway)
+    if rules is None:
+        return request
+    return replace(request, lexicon=_lexicon({"lexicon": await compile_off_loop(rules)}, gateway))
 
 
 def speech_body(raw: bytes) -> dict[str, Any]:

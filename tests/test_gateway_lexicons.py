@@ -302,7 +302,9 @@ def test_inline_lexicons_on_the_socket_are_compiled_off_the_event_loop(server, c
 
 def test_lexicons_over_http_are_compiled_off_the_event_loop(server, compile_threads):
     """The same for HTTP: a speech request's inline lexicon and a stored lexicon are compiled on the compiler thread;
-    a bad name is refused before any compile."""
+    a request refused for another field, or a bad name, costs no compile."""
+    status, body = speech(server, input="An okapi.", speed=99, lexicon=[{"term": "okapi", "replacement": "oh copy"}])
+    assert status == 400 and "speed" in json.loads(body)["error"]["message"] and compile_threads == []
     status, body = speech(server, input="An okapi.", lexicon=[{"term": "okapi", "replacement": "oh copy"}])
     assert status == 200 and len(body) > 44, body[:200]
     status, _, body = server.post("/v1/lexicons", {"name": "animals", "rules": [{"term": "gnu", "replacement": "new"}]},

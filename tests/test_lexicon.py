@@ -22,6 +22,7 @@ from realtime.lexicon import (
     LexiconStream,
     StoreFull,
     Tries,
+    compiled,
     _fold,
     _is_word,
     parse_rules,
@@ -205,6 +206,13 @@ def test_the_store_names_bounds_replaces_and_deletes():
     store.put("brands", [{"term": "Nike", "replacement": "nai-key"}])
     with pytest.raises(StoreFull):
         store.put("third", [{"term": "x", "replacement": "y"}])
+    with pytest.raises(StoreFull):  # known before any compile (POST /v1/lexicons asks first)
+        store.check_room("third")
+    store.check_room("brands")  # replacing needs no room
+    compiled_rules = compiled([{"term": "Nike", "replacement": "nai-key"}], "brands")
+    assert store.put("brands", compiled_rules) == (compiled_rules, False)
+    with pytest.raises(ValueError, match="stored as"):  # compiled under another name (or none)
+        store.put("brands", compiled([{"term": "x", "replacement": "y"}]))
     for bad in ("", "has space", "-dash", "x" * 65, 7, None, "../etc"):
         with pytest.raises(LexiconError, match="name"):
             store.put(bad, [{"term": "x", "replacement": "y"}])
