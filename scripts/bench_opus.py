@@ -181,7 +181,7 @@ def cost_rows(samples: np.ndarray, rates: list[int], complexities: list[int], re
             runs = [encode_stream(samples, fmt, complexity, mode) for _ in range(repeats)]
             frames, _, pre_skip = runs[0]
             cost = statistics.median(cpu for _, cpu, _ in runs) / seconds * 1e6
-            rows.append({"rate": rate, "mode": mode, "gateways_mode": mode == opus_mode(rate),
+            rows.append({"rate": rate, "mode": mode, "gateways_mode": mode == opus_mode(fmt),
                          "complexity": complexity, "cpu_us_per_audio_s": round(cost),
                          "core_share_per_stream": round(cost / 1e6, 5), "streams_per_core": round(1e6 / cost),
                          "kbit_s": round(sum(len(f.payload) for f in frames) * 8 / seconds / 1000, 2),

@@ -16,16 +16,19 @@ from realtime.audio.mulaw import mulaw_encode
 # 1.8x less CPU per stream than libopus's default (9) for speech at 24 kbit/s, at 0.1 dB more spectral distance
 OPUS_COMPLEXITY = 5
 # Opus's modes: "celt" alone (libopus's restricted-low-delay application), or "speech" (libopus picks SILK, hybrid
-# or CELT, told the signal is a voice). At 24 and 48 kHz CELT alone takes ~0.36x the CPU of the speech modes and
+# or CELT, told the signal is a voice). At 24 and 48 kHz CELT alone takes ~0.35x the CPU of the speech modes and
 # 4 ms less codec delay (a 2.5 ms lookahead, not 6.5), for ~0.3 dB more spectral distance on synthetic speech at
 # 24 kbit/s; at 8 and 16 kHz SILK is much the better coder and cheap already (docs/benchmarks.md, "Opus modes").
+# Below 16 kbit/s the speech modes stay: there libopus itself prefers SILK for a voice, a difference in what a
+# listener hears that the synthetic measures here do not show.
 OPUS_MODES = ("celt", "speech")
 CELT_RATES = frozenset((24000, 48000))
+CELT_MIN_BITRATE = 16000
 
 
-def opus_mode(sample_rate: int) -> str:
-    """The gateway's Opus mode at a rate."""
-    return "celt" if sample_rate in CELT_RATES else "speech"
+def opus_mode(fmt: AudioFormat) -> str:
+    """The gateway's Opus mode for a format (its rate and bitrate)."""
+    return "celt" if fmt.sample_rate in CELT_RATES and fmt.bitrate >= CELT_MIN_BITRATE else "speech"
 
 
 def _opus_encoder(fmt: AudioFormat, complexity: int, mode: str) -> opuslib.Encoder:
@@ -46,7 +49,7 @@ class StreamEncoder:
     """One context's audio: stateful resampler + encoder."""
 
     def __init__(self, fmt: AudioFormat, complexity: int = OPUS_COMPLEXITY, mode: str | None = None):
-        """`complexity`: libopus's, 0..10; `mode`: one of OPUS_MODES, None: `opus_mode` of the rate
+        """`complexity`: libopus's, 0..10; `mode`: one of OPUS_MODES, None: `opus_mode` of the format
         (scripts/bench_opus.py measures what each costs)."""
         self.format = fmt.check()
         self._resampler = None
@@ -55,7 +58,7 @@ class StreamEncoder:
                                                   quality="HQ")
         self._opus = None
         if fmt.encoding == "opus":
-            self._opus = _opus_encoder(fmt, complexity, mode or opus_mode(fmt.sample_rate))
+            self._opus = _opus_encoder(fmt, complexity, mode or opus_mode(fmt))
         self.pre_skip = self._opus.lookahead if self._opus is not None else 0
         self._pending = np.zeros(0, np.float32)  # output-rate samples short of a whole frame
         self._samples_out = 0
