@@ -29,7 +29,8 @@ for configuration in "$@"; do
     (cd "$tree" && exec python3 -m realtime.cli serve --model /tmp/ck --device cuda --port 8000 \
         --synthetic-frames-per-token 3.5 --max-sessions 600 $flags) > "$OUT/server-$name.log" 2>&1 &
     server=$!
-    python3 "$HERE/wait_ready.py" http://127.0.0.1:8000 600 || exit 1
+    trap 'kill -INT $server 2>/dev/null' EXIT  # a failed run must not leave a server on the port
+    python3 "$HERE/wait_ready.py" http://127.0.0.1:8000 600 $server || exit 1
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/gpu-memory-$name.txt" &
     sampler=$!
     for load in $loads; do
