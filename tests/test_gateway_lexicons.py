@@ -16,6 +16,7 @@ from websockets.asyncio.client import connect
 
 from realtime.gateway import Limits
 import realtime.lexicon as lexicon_module
+from realtime.ws import speech_context
 from realtime.lexicon import LexiconStream, parse_rules
 from tests.gateway_server import SHORT_SPEECH, running_server
 from voxgate_client.client import VoxgateClient, pcm_from_frames
@@ -229,6 +230,25 @@ def test_a_lexicon_that_expands_a_context_past_the_text_limit_ends_it_with_text_
     assert (past is not None) == (spoken > SMALL_TEXT_LIMIT)
     # the error answers the message whose text, replaced, passed the limit
     assert errors == ([("text_too_long", past)] if past is not None else []), (spoken, errors)
+
+
+def test_a_refusal_the_text_pause_releases_answers_the_last_text(small_server, monkeypatch):
+    """The lexicon holds back a term that may go on; a text pause releases it, and its replacement passes the limit:
+    no message was being handled then, so the error answers the message whose text it was."""
+    monkeypatch.setattr(speech_context, "TEXT_PAUSE_S", 0.3)
+
+    async def go():
+        ws = await raw(small_server)
+        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "ok", "replacement": "k" * 200}],
+                                  "text": {"buffering": "none"}}))
+        await until(ws, lambda e: e["type"] == "session.started")
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there ok",
+                                  "event_id": "held"}))
+        events = await until(ws, lambda e: e["type"] == "context.done")
+        await ws.close()
+        return [(e["code"], e.get("event_id")) for e in events if e["type"] == "error"]
+
+    assert asyncio.run(go()) == [("text_too_long", "held")]
 
 
 def test_the_speech_endpoint_refuses_a_lexicon_that_expands_past_the_text_limit(small_server):

@@ -40,6 +40,7 @@ class SessionContext:
         self.ended = False  # no more text (context.end)
         self.end_event_id: Any = None  # the context.end's, echoed on context.done
         self.refused_event_id: Any = None  # the message whose text ended the context early, echoed on its error
+        self.text_event_id: Any = None  # the last message that gave it text (a refusal the text pause released)
         self.cancelled = False
         self.words = WordTimeline()
         self.timestamps = timestamps
@@ -52,6 +53,7 @@ class SessionContext:
     def append(self, text: str, event_id: Any = None) -> None:
         self.text_chars += len(text)
         if text:
+            self.text_event_id = event_id
             self.speech.append(text)
         self._noted(event_id)
 
@@ -166,7 +168,8 @@ class SessionContext:
         if frames or self.framer.sent_first:
             self._queue_frames(frames, last=True)
         if end.reason == "error":
-            self._queue_error(engine_error(end.error, self.context_id), self.refused_event_id)
+            refused_by = self.refused_event_id if self.refused_event_id is not None else self.text_event_id
+            self._queue_error(engine_error(end.error, self.context_id), refused_by if self.speech.refused else None)
         self._queue_done()
 
     def _end_failed(self, failure: Exception) -> None:
