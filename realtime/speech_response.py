@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from prometheus_client import Counter
@@ -29,6 +29,7 @@ from realtime.speech_http import SpeechRequest
 log = logging.getLogger("voxgate")
 
 Encoded = AsyncIterator[tuple[bytes, int]]  # (bytes ready to send, samples that went in for them)
+T = TypeVar("T")
 CLIENT_GONE = 499  # the status counted for a body whose client left before it was all made and sent (nginx's)
 SAMPLES_PER_FRAME = MODEL_SAMPLE_RATE * 2 // 25  # one 12.5 Hz codec frame (1920): the audio token `usage` counts
 
@@ -71,13 +72,17 @@ async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarra
     encoder = body_encoder(spoken.response_format, streamed=spoken.stream)
     headers = {"X-Sample-Rate": str(MODEL_SAMPLE_RATE)}
     if not spoken.stream:
-        body = await _whole(_encoded(chunks, encoder), disconnected)
-        if body is None:
+        made, body = await _unless_gone(_joined(_encoded(chunks, encoder)), disconnected)
+        if not made:
             return Response(status_code=CLIENT_GONE)
         delivery.sent(encoder.samples, body)
         return Response(body, media_type=CONTENT_TYPES[spoken.response_format],
                         headers={**headers, "X-Audio-Samples": str(encoder.samples)})
-    first = await anext(chunks, None)
+    # the first audio may wait long for an engine slot: a client gone meanwhile frees its place in the queue
+    made, first = await _unless_gone(_first(chunks), disconnected)
+    if not made:
+        await chunks.aclose()
+        return Response(status_code=CLIENT_GONE)
     pieces = _encoded(_prepend(first, chunks), encoder)
     if spoken.sse:
         return CountedStream(_sse_body(pieces, delivery), delivery, media_type="text/event-stream")
@@ -114,17 +119,22 @@ class CountedStream(StreamingResponse):
             self.delivery.count(status)
 
 
-async def _whole(pieces: Encoded, disconnected: Callable[[], Awaitable[object]]) -> bytes | None:
-    """The whole body, or None once the client has gone (its synthesis stopped at once, not made for nobody)."""
-    made = asyncio.ensure_future(_joined(pieces))
+async def _unless_gone(work: Awaitable[T], disconnected: Callable[[], Awaitable[object]]) -> tuple[bool, T | None]:
+    """(True, `work`'s result), or (False, None) once the client has gone first: the work is cancelled then, so a
+    synthesis is not made, nor waits for its slot, for nobody."""
+    made = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait((made, gone), return_when=asyncio.FIRST_COMPLETED)
-        return made.result() if made.done() else None
+        return (True, made.result()) if made.done() else (False, None)
     finally:
         for task in (made, gone):
             task.cancel()
         await asyncio.gather(made, gone, return_exceptions=True)
+
+
+async def _first(chunks: AsyncIterator[np.ndarray]) -> np.ndarray | None:
+    return await anext(chunks, None)
 
 
 async def _joined(pieces: Encoded) -> bytes:

@@ -249,6 +249,36 @@ def test_a_client_that_leaves_frees_the_engine_at_once(server, response_format, 
 
 
 @pytest.mark.parametrize("stream_format", ["audio", "sse"])
+def test_a_streamed_request_waiting_for_a_slot_is_dropped_when_its_client_leaves(stream_format):
+    """A hostile try: streamed requests sent and abandoned while the engine was busy stayed queued for its slots
+    (260 of them: everyone else got `overloaded`), since a streamed response waits for its first audio before it
+    sends anything. With one slot held by a long request, an abandoned streamed request leaves the queue at once."""
+    with running_server(Limits(), max_batch=1) as one_slot:
+        long = threading.Thread(target=post_raw, args=(one_slot, {"input": "word " * 78, "response_format": "pcm",
+                                                                  "stream": False}))
+        long.start()
+        deadline = time.monotonic() + 30
+        while metric(one_slot, "voxgate_engine_requests_active") < 1:  # the long one holds the slot
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        body = json.dumps({"input": "Hello there.", "response_format": "pcm", "stream": True,
+                           "stream_format": stream_format}).encode()
+        host, port = one_slot.http.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            while metric(one_slot, "voxgate_engine_requests_active") < 2:  # it waits for the slot
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        freed_by = time.monotonic() + 1.0
+        while metric(one_slot, "voxgate_engine_requests_active") > 1:
+            assert time.monotonic() < freed_by, "the abandoned request kept its place in the queue"
+            time.sleep(0.05)
+        assert long.is_alive()  # the slot was still held: the request left the queue, not a finished slot
+        long.join(timeout=300)
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
 def test_a_streamed_request_counts_200_once_sent_and_499_when_its_client_left_mid_way(server, stream_format):
     """A streamed response's status is counted when its body ends: 200 read to the end, 499 (client gone) for a
     client that read the first bytes and left, although its 200 status line had gone out."""
