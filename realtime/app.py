@@ -144,10 +144,17 @@ def create_app(gateway: Gateway) -> Starlette:
     async def chat(websocket: WebSocket) -> None:
         await websocket.accept()
         refusal = _access_refusal(websocket, auth)
+        if refusal is None and gateway.chat_sockets >= gateway.limits.max_sessions:  # one a page, beside its session
+            refusal = ProtocolError("overloaded", f"the server has its maximum of {gateway.limits.max_sessions} chat "
+                                                  "sockets; retry later", fatal=True), CLOSE_OVERLOADED
         if refusal is not None:
             await _refuse(websocket, gateway, *refusal)
             return
-        await ChatSocket(websocket, gateway, gateway.options.llm).run()
+        gateway.chat_sockets += 1
+        try:
+            await ChatSocket(websocket, gateway, gateway.options.llm).run()
+        finally:
+            gateway.chat_sockets -= 1
 
     async def demo_page(request: Request) -> Response:
         return FileResponse(WEB_DIR / "index.html")

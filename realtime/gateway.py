@@ -162,6 +162,7 @@ class Gateway:
         self.engine: AsyncEngine | ProcessEngine | None = None
         self.encoders = EncoderPool(options.encoder_workers)  # the sockets' audio encoding, in processes of its own
         self.sessions: set = set()
+        self.chat_sockets = 0  # open `/v1/chat` sockets (at most max_sessions)
         self.lexicons = LexiconStore()  # named pronunciation lexicons, in memory
         self.shutting_down = False
         self.on_fatal: Callable[[str], None] | None = None  # the gateway failed for good (the server exits)

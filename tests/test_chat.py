@@ -283,3 +283,32 @@ def test_a_full_completions_address_and_no_key_reach_the_llm_without_authorizati
         done = asyncio.run(go(server))
         assert done["reason"] == "stop" and done["text"] == "".join(REPLY)
         assert llm.calls[-1].authorization is None and llm.calls[-1].outcome == "complete"
+
+
+def test_idle_chat_sockets_close_and_their_number_is_capped():
+    """A hostile try held every connection with silent chat sockets (no idle timer, no cap): one that sends nothing
+    for the idle timeout while no reply runs is closed (4008), and past max_sessions of them a new one is refused
+    (1013) while the others stay open."""
+    async def go(server):
+        url = server.ws.replace("/v1/tts/stream", "/v1/chat") + "?token=k"
+        first, second = await connect(url), await connect(url)
+        for chat in (first, second):
+            assert (await receive(chat))["type"] == "chat.ready"
+        async with connect(url) as third:
+            refusal = await receive(third)
+            assert (refusal["code"], refusal["fatal"]) == ("overloaded", True)
+            with pytest.raises(ConnectionClosed) as closed:
+                await third.recv()
+            assert closed.value.rcvd.code == 1013
+        await first.send(json.dumps({"type": "chat.cancel", "id": "none"}))  # activity keeps it open a while longer
+        idle = await receive(second, timeout=5)
+        assert (idle["code"], idle["fatal"]) == ("idle_timeout", True)
+        with pytest.raises(ConnectionClosed) as closed:
+            await second.recv()
+        assert closed.value.rcvd.code == 4008
+        async with connect(url) as again:  # its place is free
+            assert (await receive(again))["type"] == "chat.ready"
+        await first.close()
+
+    with running_server(Limits(api_keys=("k",), max_sessions=2, idle_timeout_s=1.0)) as capped:
+        asyncio.run(go(capped))
