@@ -20,7 +20,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from realtime.gateway import Gateway
 from realtime.llm import LLMConfig, LLMError, new_llm_client, stream_chat
 from realtime.ws.protocol import CLOSE_IDLE, ProtocolError, event, parse_message
-from realtime.ws.rate_limit import RateLimiter
+from realtime.ws.rate_limit import MessageBudget
 from realtime.ws.session import Session
 
 log = logging.getLogger("voxgate")
@@ -66,7 +66,7 @@ class ChatSocket:
         self._turn: asyncio.Task | None = None
         self._turn_id: str | None = None
         self._disconnected = False  # the page went away: its context is cancelled, not finished
-        self._limiter = RateLimiter(gateway.limits.max_message_rate)
+        self._budget = MessageBudget(gateway.limits.max_message_rate, gateway.limits.max_message_bytes)
 
     async def run(self) -> None:
         await self._send({"type": "chat.ready", "llm": {"model": self.llm.model} if self.llm else None})
@@ -102,8 +102,9 @@ class ChatSocket:
 
     async def _handle(self, text: str) -> None:
         try:
-            if not self._limiter.allow():
-                raise ProtocolError("rate_limited", "too many messages; this one was dropped")
+            refusal = self._budget.refusal(text)
+            if refusal is not None:
+                raise refusal
             message = parse_message(text, CHAT_MESSAGES)
             if message["type"] == "chat.cancel":
                 if message["id"] == self._turn_id:

@@ -174,6 +174,31 @@ def test_messages_past_the_rate_are_dropped_with_rate_limited(server):
     asyncio.run(go())
 
 
+def test_a_dropped_message_is_named_in_its_error_and_text_has_a_byte_budget(server):
+    """A hostile try: 450 appends and a context.end past the rate got errors naming none of them, so the client could
+    not tell that its context.end was dropped. A small dropped message's error carries its event_id and context_id.
+    And parsing costs by the byte: the text a socket sends is budgeted too (twice max_message_bytes a second, bursts
+    of twice that), whatever the message count."""
+    async def go():
+        async with connect(server.ws) as ws:
+            await ws.recv()
+            for i in range(60):
+                await ws.send(json.dumps({"type": "context.end", "context_id": f"c{i}", "event_id": f"e{i}"}))
+            answers = [json.loads(await asyncio.wait_for(ws.recv(), 10)) for _ in range(60)]
+            limited = [a for a in answers if a["type"] == "error" and a["code"] == "rate_limited"]
+            assert limited and all(a["event_id"] == "e" + a["context_id"][1:] for a in limited), limited
+        async with connect(server.ws) as ws:
+            await ws.recv()
+            big = json.dumps({"type": "ping", "id": 0, "pad": "x" * (server.gateway.limits.max_message_bytes - 100)})
+            for _ in range(6):  # 6 near-limit messages at once: the burst holds 4
+                await ws.send(big)
+            answers = [json.loads(await asyncio.wait_for(ws.recv(), 10)) for _ in range(6)]
+            codes = [a.get("code", a["type"]) for a in answers]
+            assert codes.count("rate_limited") >= 1 and "KiB" in next(a["message"] for a in answers
+                                                                       if a.get("code") == "rate_limited"), codes
+    asyncio.run(go())
+
+
 def test_origin_allow_list(server):
     async def go():
         async with connect(server.ws, origin="https://evil.example") as ws:

@@ -3,8 +3,10 @@ events and the binary audio header. Nothing here touches the socket or the engin
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -111,6 +113,10 @@ MAX_PLAYED_MS = 10**9
 MAX_SEED = 2**63 - 1  # the engine offsets it per utterance, modulo 2**63
 MAX_JSON_DEPTH = 32  # nesting of arrays and objects in one message
 MAX_INTEGER_DIGITS = 20  # 2**64 has 20 digits; any longer integer is out of every range
+MAX_JSON_CONTAINERS = 10_000  # '[' and '{' in one message's text (a lexicon of 1,000 rules has ~1,000)
+MAX_DROPPED_PEEK_BYTES = 1024  # a rate-limited message this small is read for its ids
+_LONG_DIGITS = re.compile(rf"\d{{{MAX_INTEGER_DIGITS + 1},}}")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # field -> most characters (strings) or (lowest, highest) (numbers), in every message type that has the field
 FIELD_LIMITS: dict[str, int | tuple[float, float]] = {
     "context_id": MAX_NAME_CHARS, "voice": MAX_NAME_CHARS, "language": MAX_NAME_CHARS, "name": MAX_NAME_CHARS,
@@ -124,24 +130,35 @@ def load_json(raw: str | bytes, code: str = "invalid_message") -> Any:
     takes are refused while parsing (Python's int() is quadratic in the digits). Every string must be valid
     Unicode: JSON can carry a lone UTF-16 surrogate (\\ud800), which no encoder, tokenizer or log can take.
     Raises ProtocolError: `invalid_json`, or `code` for a value out of bounds."""
-    value = _decode_json(raw, code)
-    _check_unicode(value, code)
+    value, suspect = _decode_json(raw, code)
+    if suspect:
+        _check_unicode(value, code)
     return value
 
 
-def _decode_json(raw: str | bytes, code: str) -> Any:
-    """JSON to Python, within the bounds of depth and integer size (strings not yet checked)."""
-    raw = _utf8_text(raw)
+def _decode_json(raw: str | bytes, code: str) -> tuple[Any, bool]:
+    """JSON to Python, within the bounds of depth and integer size; and whether a string in it may hold a lone
+    surrogate (not yet checked). The checks that walk the value in Python (~1 us an element: a 256 KB message of
+    small values cost ~0.2-0.4 s of the event loop) run only where the text says they can find something."""
+    text = _utf8_text(raw)
+    brackets = text.count("[") + text.count("{")  # an upper bound on its arrays and objects
+    if brackets > MAX_JSON_CONTAINERS:
+        raise ProtocolError(code, f"a message holds at most {MAX_JSON_CONTAINERS} arrays and objects (its text "
+                                  f"has {brackets} brackets)")
+    options: dict[str, Any] = {"parse_constant": _no_constant}
+    if _LONG_DIGITS.search(text):  # an integer that long may be among them: each is checked as it is parsed
+        options["parse_int"] = partial(_bounded_int, code)
     try:
-        value = json.loads(raw, parse_int=partial(_bounded_int, code), parse_constant=_no_constant)
+        value = json.loads(text, **options)
     except json.JSONDecodeError as failure:
         raise ProtocolError("invalid_json", f"the message is not valid JSON: {failure}") from None
     except RecursionError:
         raise ProtocolError(code, f"JSON nested too deep; at most {MAX_JSON_DEPTH} levels are accepted") from None
-    depth = _nesting_depth(value)
-    if depth > MAX_JSON_DEPTH:
-        raise ProtocolError(code, f"JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
-    return value
+    if brackets > MAX_JSON_DEPTH and _nesting_depth(value) > MAX_JSON_DEPTH:  # fewer brackets cannot nest deeper
+        raise ProtocolError(code, f"JSON nested more than {MAX_JSON_DEPTH} levels deep; at most {MAX_JSON_DEPTH} "
+                                  "are accepted")
+    # the text itself encodes (`_utf8_text`): only a \uD800-\uDFFF escape can put a lone surrogate in a string
+    return value, _SURROGATE_ESCAPE.search(text) is not None
 
 
 def _utf8_text(raw: str | bytes) -> str:
@@ -158,15 +175,17 @@ def _utf8_text(raw: str | bytes) -> str:
 
 
 def _nesting_depth(value: Any) -> int:
-    """The deepest nesting of arrays and objects in a parsed value, in one pass over it without recursion. (Measured
-    on the text, with a regex skipping strings, it took quadratic time: 19 s for 80 KB of escaped quotes.)"""
-    deepest, pending = 0, [(value, 1)]
-    while pending:
-        item, level = pending.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, level)
-            pending.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
+    """The deepest nesting of arrays and objects in a parsed value, level by level without recursion, stopping one
+    level past the bound. (Measured on the text, with a regex skipping strings, it took quadratic time: 19 s for
+    80 KB of escaped quotes.)"""
+    depth, level = 0, [value] if isinstance(value, dict | list) else []
+    while level and depth <= MAX_JSON_DEPTH:
+        depth += 1
+        children: list[Any] = []
+        for item in level:
+            children.extend(item.values() if isinstance(item, dict) else item)
+        level = [child for child in children if isinstance(child, dict | list)]
+    return depth
 
 
 def _bounded_int(code: str, digits: str) -> int:
@@ -203,19 +222,42 @@ def parse_message(text: str, schemas: dict[str, dict[str, tuple[tuple[type, ...]
                   ) -> dict[str, Any]:
     """A client text frame as a validated message dict (`schemas`: voxgate.v1's messages unless another socket's);
     raises ProtocolError (never fatal) carrying the message's `event_id` when it had a valid one."""
-    return check_message(_decode_json(text, "invalid_message"), schemas)
+    message, suspect = _decode_json(text, "invalid_message")
+    return check_message(message, schemas, check_unicode=suspect)
 
 
-def check_message(message: Any, schemas: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = MESSAGES
-                  ) -> dict[str, Any]:
+def dropped(text: str, reason: str) -> ProtocolError:
+    """A `rate_limited` refusal of a message dropped unparsed, carrying its event_id and context_id where the message
+    is small enough that reading them costs nothing (a dropped `context.end` must be told apart from the rest)."""
+    failure = ProtocolError("rate_limited", f"{reason}; this message was dropped")
+    if len(text) <= MAX_DROPPED_PEEK_BYTES:
+        try:
+            message = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, ProtocolError, RecursionError):
+            return failure
+        if isinstance(message, dict):
+            with contextlib.suppress(ProtocolError):  # a bad one is left out, not refused again
+                failure.event_id = _event_id(message)
+                context_id = message.get("context_id")
+                if isinstance(context_id, str) and len(context_id) <= MAX_NAME_CHARS:
+                    _check_text(context_id, "context_id", "invalid_message")
+                    failure.context_id = context_id
+    return failure
+
+
+def check_message(message: Any, schemas: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = MESSAGES,
+                  check_unicode: bool = True) -> dict[str, Any]:
     """A decoded message, validated as `parse_message` validates a text frame (a message the server makes on the
-    client's behalf is checked by the very same rules, without a JSON round trip)."""
+    client's behalf is checked by the very same rules, without a JSON round trip). `check_unicode`: False where its
+    text showed that no string can hold a lone surrogate."""
     if not isinstance(message, dict):
-        _check_unicode(message, "invalid_message")
+        if check_unicode:
+            _check_unicode(message, "invalid_message")
         raise ProtocolError("invalid_message", "a message must be a JSON object with a \"type\" field")
     event_id = _event_id(message)
     try:
-        _check_unicode(message, "invalid_config" if message.get("type") == "session.start" else "invalid_message")
+        if check_unicode:
+            _check_unicode(message, "invalid_config" if message.get("type") == "session.start" else "invalid_message")
         _check_fields(message, schemas)
     except ProtocolError as failure:
         failure.event_id = event_id

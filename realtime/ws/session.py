@@ -30,7 +30,7 @@ from realtime.ws.protocol import (
     parse_message,
     session_started,
 )
-from realtime.ws.rate_limit import RateLimiter
+from realtime.ws.rate_limit import MessageBudget
 from realtime.ws.registry import ContextRegistry
 from realtime.ws.settings import SessionSettings
 
@@ -52,7 +52,7 @@ class Session:
         self.closing = False
         self.closed = False  # the socket is gone
         self._aborted = False
-        self._limiter = RateLimiter(self.limits.max_message_rate)
+        self._budget = MessageBudget(self.limits.max_message_rate, self.limits.max_message_bytes)
         self._last_activity = time.monotonic()
         self._close: tuple[int, str] | None = None
         self._sender_task: asyncio.Task | None = None
@@ -200,14 +200,12 @@ class Session:
         """A client's text frame: rate-limited before it is parsed (a flood costs no parse, valid or not); an inline
         lexicon is compiled on a worker thread first (the largest takes ~0.2 s of Python: on the loop it stalled
         every socket), then the message is handled as any other."""
-        message, refusal = None, None
-        try:
-            if not self._limiter.allow():
-                raise ProtocolError("rate_limited", f"more than {self.limits.max_message_rate:g} messages per "
-                                                    "second; this message was dropped")
-            message = parse_message(text)
-        except ProtocolError as failure:
-            refusal = failure
+        message, refusal = None, self._budget.refusal(text)
+        if refusal is None:
+            try:
+                message = parse_message(text)
+            except ProtocolError as failure:
+                refusal = failure
         if message is not None and isinstance(message.get("lexicon"), list) and self._takes_lexicon(message):
             try:
                 message["lexicon"] = await compile_off_loop(message["lexicon"])

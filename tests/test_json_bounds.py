@@ -1,0 +1,90 @@
+"""A client's JSON is parsed with bounded cost (realtime/ws/protocol.py `load_json`): the checks that walk a parsed
+value in Python run only where the text shows they can find something. Against a reference that always walks, on
+generated messages: the same values accepted, the same refused, for the same reasons."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from realtime.ws.protocol import MAX_INTEGER_DIGITS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, ProtocolError, load_json
+
+PIECES = ["a", "é", "\ud800", "\udbff", "\udc00", "\\", "\\u", "ud800", "1" * 25, " ", "\"", "\u2028"]
+
+
+def reference(text: str) -> set[str]:
+    """Why the reference refuses the text (short reasons; none: accepted): every string walked, every integer and
+    the nesting measured on the parsed value."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return {"invalid_json"}
+    if text.count("[") + text.count("{") > MAX_JSON_CONTAINERS:
+        return {"containers"}
+    reasons: set[str] = set()
+
+    def walk(item, depth: int) -> None:
+        if isinstance(item, bool) or item is None or isinstance(item, float):
+            return
+        if isinstance(item, int):
+            if len(str(abs(item))) > MAX_INTEGER_DIGITS:
+                reasons.add("digits")
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                reasons.add("surrogate")
+        else:
+            if depth + 1 > MAX_JSON_DEPTH:
+                reasons.add("depth")
+            for key, child in (item.items() if isinstance(item, dict) else ((None, child) for child in item)):
+                if key is not None:
+                    walk(key, depth + 1)
+                walk(child, depth + 1)
+
+    walk(json.loads(text), 0)
+    return reasons
+
+
+def reason_of(failure: ProtocolError) -> str:
+    for words, reason in (("nested", "depth"), ("digits", "digits"), ("surrogate", "surrogate"),
+                          ("arrays and objects", "containers")):
+        if words in failure.message:
+            return reason
+    return failure.code
+
+
+strings = st.lists(st.sampled_from(PIECES), max_size=4).map("".join)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 30, 10 ** 30), st.floats(allow_nan=False,
+                    allow_infinity=False), strings)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(strings, inner, max_size=3),
+                      max_leaves=20)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=values, wrap=st.integers(0, MAX_JSON_DEPTH + 4), ascii_only=st.booleans())
+def test_the_fast_checks_accept_and_refuse_what_the_full_walk_does(value, wrap, ascii_only):
+    for _ in range(wrap):
+        value = [value]
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    expected = reference(text)
+    try:
+        parsed = load_json(text)
+    except ProtocolError as failure:  # a text with more than one fault is refused for one of them
+        assert reason_of(failure) in expected, (expected, failure.message)
+        return
+    assert not expected and parsed == json.loads(text)
+
+
+def test_many_small_values_cost_little_and_many_containers_are_refused_before_parsing():
+    """A hostile try: 256 KB of small values cost 0.2-0.4 s of the event loop each (the checks walked every one)."""
+    flat = json.dumps({"type": "keepalive", "x": [0] * 60000})
+    started = time.thread_time()
+    load_json(flat)
+    assert time.thread_time() - started < 0.1  # ~12 ms on the development machine; 0.2 s before
+    nested = json.dumps({"type": "keepalive", "x": [[[0]]] * (MAX_JSON_CONTAINERS // 2 + 1)})  # "[[0]]" each
+    with pytest.raises(ProtocolError, match="arrays and objects"):
+        load_json(nested)
