@@ -320,6 +320,27 @@ def test_inline_lexicons_on_the_socket_are_compiled_off_the_event_loop(server, c
     assert [name.split("_")[0] for name in compile_threads] == ["voxgate-lexicon"] * 2, compile_threads
 
 
+def test_a_session_that_sends_new_inline_lexicons_too_fast_gets_rate_limited(server, compile_threads):
+    """A hostile try starved the engine of the GIL with a new 1,000-rule lexicon every 50 ms (each compile ~0.2 s):
+    a session's inline lexicons are budgeted by their rules (INLINE_RULES_RATE a second, bursts of twice that); past
+    it the message is dropped with `rate_limited`, uncompiled, and the session goes on."""
+    big = [{"term": f"w{index}", "replacement": "x"} for index in range(1000)]
+
+    async def go():
+        ws = await raw(server)
+        for index in range(3):  # 3,000 rules at once against a burst of 1,000
+            await ws.send(json.dumps({"type": "session.start", "lexicon": big, "event_id": f"s{index}"}))
+        answers = await until(ws, lambda e: e.get("event_id") == "s2")
+        await ws.send(json.dumps({"type": "ping", "id": 1}))
+        assert (await until(ws, lambda e: e["type"] == "pong"))[-1]["id"] == 1
+        await ws.close()
+        return [(e["type"], e.get("code"), e.get("event_id")) for e in answers if e.get("event_id")]
+
+    answers = asyncio.run(go())
+    assert answers[0] == ("session.started", None, "s0"), answers
+    assert ("error", "rate_limited", "s2") in answers and len(compile_threads) < 3, (answers, compile_threads)
+
+
 def test_lexicons_over_http_are_compiled_off_the_event_loop(server, compile_threads):
     """The same for HTTP: a speech request's inline lexicon and a stored lexicon are compiled on the compiler thread;
     a request refused for another field, or a bad name, costs no compile."""

@@ -30,12 +30,15 @@ from realtime.ws.protocol import (
     parse_message,
     session_started,
 )
-from realtime.ws.rate_limit import MessageBudget
+from realtime.ws.rate_limit import MessageBudget, RateLimiter
 from realtime.ws.registry import ContextRegistry
 from realtime.ws.settings import SessionSettings
 
 log = logging.getLogger("voxgate")
 SHUTDOWN_GRACE_S = 5.0
+# inline lexicon rules a session may have compiled a second (bursts of twice that): each compile holds the GIL
+# (~0.2 s for 1,000 rules), and a hostile try starved the engine with a new 1,000-rule lexicon every 50 ms
+INLINE_RULES_RATE = 500
 ABORT_GRACE_S = 2.0
 
 
@@ -53,6 +56,7 @@ class Session:
         self.closed = False  # the socket is gone
         self._aborted = False
         self._budget = MessageBudget(self.limits.max_message_rate, self.limits.max_message_bytes)
+        self._lexicon_budget = RateLimiter(INLINE_RULES_RATE)  # rules of the inline lexicons compiled
         self._last_activity = time.monotonic()
         self._close: tuple[int, str] | None = None
         self._sender_task: asyncio.Task | None = None
@@ -207,11 +211,17 @@ class Session:
             except ProtocolError as failure:
                 refusal = failure
         if message is not None and isinstance(message.get("lexicon"), list) and self._takes_lexicon(message):
-            try:
-                message["lexicon"] = await compile_off_loop(message["lexicon"])
-            except Exception:  # a bug must not take the session down
-                log.exception("session %s: compiling a lexicon failed", self.id)
-                refusal = ProtocolError("internal", "internal server error", event_id=message.get("event_id"))
+            if not self._lexicon_budget.allow(len(message["lexicon"])):
+                refusal = ProtocolError("rate_limited", f"inline lexicons of more than {INLINE_RULES_RATE} rules a "
+                                                        "second; this message was dropped (a stored lexicon, POST "
+                                                        "/v1/lexicons, costs nothing to name)",
+                                        context_id=message.get("context_id"), event_id=message.get("event_id"))
+            else:
+                try:
+                    message["lexicon"] = await compile_off_loop(message["lexicon"])
+                except Exception:  # a bug must not take the session down
+                    log.exception("session %s: compiling a lexicon failed", self.id)
+                    refusal = ProtocolError("internal", "internal server error", event_id=message.get("event_id"))
 
         def validated() -> dict[str, Any]:
             if refusal is not None:
