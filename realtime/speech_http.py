@@ -93,7 +93,9 @@ def parse_speech_request(body: dict[str, Any], gateway: Gateway) -> SpeechReques
     text = body.get("input")
     if not isinstance(text, str) or not speakable(text):
         raise HTTPFailure(400, "empty_text" if isinstance(text, str) else "invalid_message",
-                          "input has no letter or digit to speak" if text else "input is required: the text to speak")
+                          "input has no letter or digit to speak" if text else
+                          "input is empty: give the text to speak" if isinstance(text, str) else
+                          "input is required: the text to speak")
     if len(text) > gateway.limits.max_text_chars:
         raise HTTPFailure(400, "text_too_long", f"input takes at most {gateway.limits.max_text_chars} characters")
     _check_model(body.get("model"), gateway)

@@ -101,12 +101,16 @@ def test_check_refuses_with_a_precise_message(fmt: AudioFormat, words: tuple[str
         StreamEncoder(fmt)
 
 
-def test_check_accepts_every_listed_rate_and_ignores_bitrate_outside_opus() -> None:
+def test_check_accepts_every_listed_rate_and_a_bitrate_in_range_for_any_encoding() -> None:
+    """A bitrate out of range is refused whatever the encoding (a hostile try: pcm with bitrate 1 was taken, and a
+    later switch to opus failed on a field that message never sent); in range it is kept, unused outside opus."""
     for encoding, rates in SAMPLE_RATES.items():
         for rate in rates:
             fmt = AudioFormat(encoding, rate)
             assert fmt.check() is fmt
-    assert AudioFormat("pcm_s16le", 24000, 100, bitrate=1).check().frame_ms == 100
+    assert AudioFormat("pcm_s16le", 24000, 100, bitrate=6000).check().frame_ms == 100
+    with pytest.raises(UnsupportedFormat, match="bitrate 1 is out of range"):
+        AudioFormat("pcm_s16le", 24000, 100, bitrate=1).check()
 
 
 def test_to_int16_clips_and_rounds() -> None:

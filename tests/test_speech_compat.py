@@ -165,3 +165,14 @@ def test_bad_types_are_refused_with_400(server, body, code, named):
     status, _, pieces = post(server, {"model": HUB_ID, "input": "Hello.", **body})
     error = error_of(pieces)
     assert status == 400 and error["code"] == code and named in error["message"]
+
+
+@pytest.mark.parametrize("text, code, words", [("", "empty_text", "input is empty"),
+                                               ("  ...  ", "empty_text", "no letter or digit"),
+                                               (None, "invalid_message", "input is required"),
+                                               (7, "invalid_message", "input must be a string")])
+def test_a_missing_or_empty_input_says_which(text, code, words):
+    body = {} if text is None else {"input": text}
+    with pytest.raises(HTTPFailure) as failure:
+        parse_speech_request(speech_body(json.dumps(body).encode()), GATEWAY)
+    assert failure.value.code == code and words in failure.value.message, failure.value.message
