@@ -124,8 +124,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-stored-voices", type=int, default=d.max_stored_voices,
                    help="the voice library's voices per checkpoint")
     p.add_argument("--allowed-origin", action="append", default=[], help="browser Origin allowed (none: any)")
-    p.add_argument("--max-batch", type=int, help="engine slots (default on a GPU: as many as 65%% of its free memory holds, a CUDA graph's batch "
-                        "size up to 256; 8 on the CPU)")
+    p.add_argument("--max-batch", type=int, help="engine slots (default on a GPU: as many as 85%% of its free memory "
+                        "holds, less whatever would leave under 12 GiB free, a CUDA graph's batch size up to 256: "
+                        "256 on an 80 GB H100; 8 on the CPU)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="auto: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--engine-process", choices=["auto", "on", "off"], default="auto",
