@@ -19,7 +19,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from realtime.gateway import Gateway
 from realtime.llm import LLMConfig, LLMError, new_llm_client, stream_chat
-from realtime.ws.protocol import CLOSE_IDLE, ProtocolError, event, parse_message
+from realtime.ws.protocol import ProtocolError, event, parse_message
 from realtime.ws.rate_limit import MessageBudget
 from realtime.ws.session import Session
 
@@ -73,8 +73,8 @@ class ChatSocket:
         self._llm_client = new_llm_client(self.llm) if self.llm else None
         try:
             while True:
-                message = await self._receive()
-                if message is None or message["type"] == "websocket.disconnect":
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
                     return
                 if message.get("text") is not None:
                     await self._handle(message["text"])
@@ -84,21 +84,6 @@ class ChatSocket:
             await self._stop_turn(disconnected=True)
             if self._llm_client is not None:
                 await self._llm_client.close()
-
-    async def _receive(self) -> dict[str, Any] | None:
-        """The next message; None once the socket has been idle for the session's idle timeout (no message, no turn
-        running), which closes it: an idle chat socket held a connection for good."""
-        idle_s = self.gateway.limits.idle_timeout_s
-        while True:
-            try:
-                return await asyncio.wait_for(self.ws.receive(), idle_s)
-            except TimeoutError:
-                if self._turn is not None and not self._turn.done():
-                    continue  # the LLM is answering: not idle
-                await self._error(ProtocolError("idle_timeout", f"no message for {idle_s:g} s", fatal=True))
-                with contextlib.suppress(RuntimeError, OSError):
-                    await self.ws.close(CLOSE_IDLE)
-                return None
 
     async def _handle(self, text: str) -> None:
         try:

@@ -101,16 +101,12 @@ def test_check_refuses_with_a_precise_message(fmt: AudioFormat, words: tuple[str
         StreamEncoder(fmt)
 
 
-def test_check_accepts_every_listed_rate_and_a_bitrate_in_range_for_any_encoding() -> None:
-    """A bitrate out of range is refused whatever the encoding (a hostile try: pcm with bitrate 1 was taken, and a
-    later switch to opus failed on a field that message never sent); in range it is kept, unused outside opus."""
+def test_check_accepts_every_listed_rate_and_ignores_bitrate_outside_opus() -> None:
     for encoding, rates in SAMPLE_RATES.items():
         for rate in rates:
             fmt = AudioFormat(encoding, rate)
             assert fmt.check() is fmt
-    assert AudioFormat("pcm_s16le", 24000, 100, bitrate=6000).check().frame_ms == 100
-    with pytest.raises(UnsupportedFormat, match="bitrate 1 is out of range"):
-        AudioFormat("pcm_s16le", 24000, 100, bitrate=1).check()
+    assert AudioFormat("pcm_s16le", 24000, 100, bitrate=1).check().frame_ms == 100
 
 
 def test_to_int16_clips_and_rounds() -> None:
@@ -465,3 +461,19 @@ def test_a_drain_before_any_audio_leaves_the_timeline_and_a_working_encoder():
     frames, items = asyncio.run(go())
     assert frames and frames[0].pts == 0
     assert not any(item.payload[1] & FLAG_DISCONTINUITY for item in items)
+
+
+def test_a_bitrate_another_encoding_ignored_does_not_follow_into_opus() -> None:
+    """A hostile try: pcm with bitrate 1 was taken (pcm ignores it), and a later switch to opus failed on a field that
+    message never sent. Switching without a bitrate takes opus's default; one given out of range is still refused."""
+    from realtime.ws.protocol import SessionConfig, configure
+
+    config, refused = configure(SessionConfig(), {"audio": {"encoding": "pcm_s16le", "bitrate": 1}})
+    assert not refused and config.audio.encoding == "pcm_s16le"
+    config, refused = configure(config, {"audio": {"encoding": "opus"}})
+    assert not refused and (config.audio.encoding, config.audio.bitrate) == ("opus", AudioFormat().bitrate)
+    _, refused = configure(config, {"audio": {"encoding": "opus", "bitrate": 1}})
+    assert [failure.code for failure in refused] == ["unsupported_format"] and "bitrate 1" in refused[0].message
+    config, refused = configure(SessionConfig(), {"audio": {"bitrate": 32000}})
+    config, refused = configure(config, {"audio": {"encoding": "opus", "sample_rate": 48000}})
+    assert not refused and config.audio.bitrate == 32000  # one in range is kept

@@ -285,10 +285,10 @@ def test_a_full_completions_address_and_no_key_reach_the_llm_without_authorizati
         assert llm.calls[-1].authorization is None and llm.calls[-1].outcome == "complete"
 
 
-def test_idle_chat_sockets_close_and_their_number_is_capped():
-    """A hostile try held every connection with silent chat sockets (no idle timer, no cap): one that sends nothing
-    for the idle timeout while no reply runs is closed (4008), and past max_sessions of them a new one is refused
-    (1013) while the others stay open."""
+def test_chat_sockets_are_capped_and_a_silent_one_stays_open():
+    """A hostile try held every connection with chat sockets (they were not counted): past max_sessions of them a
+    new one is refused (1013) while the others stay open; a page's chat socket may stay silent past the idle timeout
+    (its user reads, its audio session keeps itself alive), so it is not closed for that."""
     async def go(server):
         url = server.ws.replace("/v1/tts/stream", "/v1/chat") + "?token=k"
         first, second = await connect(url), await connect(url)
@@ -300,12 +300,9 @@ def test_idle_chat_sockets_close_and_their_number_is_capped():
             with pytest.raises(ConnectionClosed) as closed:
                 await third.recv()
             assert closed.value.rcvd.code == 1013
-        await first.send(json.dumps({"type": "chat.cancel", "id": "none"}))  # activity keeps it open a while longer
-        idle = await receive(second, timeout=5)
-        assert (idle["code"], idle["fatal"]) == ("idle_timeout", True)
-        with pytest.raises(ConnectionClosed) as closed:
-            await second.recv()
-        assert closed.value.rcvd.code == 4008
+        await asyncio.sleep(1.5)  # past the idle timeout
+        await second.send(json.dumps({"type": "chat.cancel", "id": "none"}))  # still open: nothing comes back
+        await second.close()
         async with connect(url) as again:  # its place is free
             assert (await receive(again))["type"] == "chat.ready"
         await first.close()

@@ -340,6 +340,17 @@ def test_a_session_that_sends_new_inline_lexicons_too_fast_gets_rate_limited(ser
     assert answers[0] == ("session.started", None, "s0"), answers
     assert ("error", "rate_limited", "s2") in answers and len(compile_threads) < 3, (answers, compile_threads)
 
+    async def too_many_rules():  # refused for its size, not its rate, however often it comes
+        ws = await raw(server)
+        for index in range(3):
+            await ws.send(json.dumps({"type": "session.start", "event_id": f"t{index}",
+                                      "lexicon": big + [{"term": "extra", "replacement": "x"}]}))
+        answers = await until(ws, lambda e: e.get("event_id") == "t2")
+        await ws.close()
+        return [e.get("code") for e in answers if e["type"] == "error"]
+
+    assert asyncio.run(too_many_rules()) == ["invalid_config"] * 3
+
 
 def test_lexicons_over_http_are_compiled_off_the_event_loop(server, compile_threads):
     """The same for HTTP: a speech request's inline lexicon and a stored lexicon are compiled on the compiler thread;

@@ -53,9 +53,9 @@ class AudioFormat:
             raise UnsupportedFormat(f"{self.encoding} does not support frame_ms {_shown(self.frame_ms)}; "
                                     f"allowed: {listed(FRAME_MS[self.encoding])}")
         low, high = OPUS_BITRATES
-        if not low <= self.bitrate <= high:  # checked whatever the encoding: a later switch to opus keeps it
-            raise UnsupportedFormat(f"bitrate {_shown(self.bitrate)} is out of range; allowed: {low} to {high} "
-                                    "bit/s (Opus's; the other encodings do not use it)")
+        if self.encoding == "opus" and not low <= self.bitrate <= high:
+            raise UnsupportedFormat(f"opus bitrate {_shown(self.bitrate)} is out of range; "
+                                    f"allowed: {low} to {high} bit/s")
         return self
 
     @property

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
-from realtime.audio.formats import DEFAULT_RATES, MODEL_SAMPLE_RATE, AudioFormat, UnsupportedFormat
+from realtime.audio.formats import DEFAULT_RATES, MODEL_SAMPLE_RATE, OPUS_BITRATES, AudioFormat, UnsupportedFormat
 from realtime.lexicon import Lexicon, LexiconError, LexiconsBusy
 from realtime.ws.utterances import BUFFERING
 
@@ -113,7 +113,7 @@ MAX_PLAYED_MS = 10**9
 MAX_SEED = 2**63 - 1  # the engine offsets it per utterance, modulo 2**63
 MAX_JSON_DEPTH = 32  # nesting of arrays and objects in one message
 MAX_INTEGER_DIGITS = 20  # 2**64 has 20 digits; any longer integer is out of every range
-MAX_JSON_CONTAINERS = 10_000  # '[' and '{' in one message's text (a lexicon of 1,000 rules has ~1,000)
+MAX_JSON_CONTAINERS = 10_000  # arrays and objects in one message (a lexicon of 1,000 rules has 1,001)
 MAX_DROPPED_PEEK_BYTES = 1024  # a rate-limited message this small is read for its ids
 _LONG_DIGITS = re.compile(rf"\d{{{MAX_INTEGER_DIGITS + 1},}}")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -141,10 +141,6 @@ def _decode_json(raw: str | bytes, code: str) -> tuple[Any, bool]:
     surrogate (not yet checked). The checks that walk the value in Python (~1 us an element: a 256 KB message of
     small values cost ~0.2-0.4 s of the event loop) run only where the text says they can find something."""
     text = _utf8_text(raw)
-    brackets = text.count("[") + text.count("{")  # an upper bound on its arrays and objects
-    if brackets > MAX_JSON_CONTAINERS:
-        raise ProtocolError(code, f"a message holds at most {MAX_JSON_CONTAINERS} arrays and objects (its text "
-                                  f"has {brackets} brackets)")
     options: dict[str, Any] = {"parse_constant": _no_constant}
     if _LONG_DIGITS.search(text):  # an integer that long may be among them: each is checked as it is parsed
         options["parse_int"] = partial(_bounded_int, code)
@@ -154,9 +150,13 @@ def _decode_json(raw: str | bytes, code: str) -> tuple[Any, bool]:
         raise ProtocolError("invalid_json", f"the message is not valid JSON: {failure}") from None
     except RecursionError:
         raise ProtocolError(code, f"JSON nested too deep; at most {MAX_JSON_DEPTH} levels are accepted") from None
-    if brackets > MAX_JSON_DEPTH and _nesting_depth(value) > MAX_JSON_DEPTH:  # fewer brackets cannot nest deeper
-        raise ProtocolError(code, f"JSON nested more than {MAX_JSON_DEPTH} levels deep; at most {MAX_JSON_DEPTH} "
-                                  "are accepted")
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # fewer brackets can neither nest deeper nor be many
+        depth, containers = _shape(value)
+        if containers > MAX_JSON_CONTAINERS:
+            raise ProtocolError(code, f"a message holds at most {MAX_JSON_CONTAINERS} arrays and objects")
+        if depth > MAX_JSON_DEPTH:
+            raise ProtocolError(code, f"JSON nested more than {MAX_JSON_DEPTH} levels deep; at most "
+                                      f"{MAX_JSON_DEPTH} are accepted")
     # the text itself encodes (`_utf8_text`): only a \uD800-\uDFFF escape can put a lone surrogate in a string
     return value, _SURROGATE_ESCAPE.search(text) is not None
 
@@ -174,18 +174,19 @@ def _utf8_text(raw: str | bytes) -> str:
         raise ProtocolError("invalid_json", "the message is not valid UTF-8 text") from None
 
 
-def _nesting_depth(value: Any) -> int:
-    """The deepest nesting of arrays and objects in a parsed value, level by level without recursion, stopping one
-    level past the bound. (Measured on the text, with a regex skipping strings, it took quadratic time: 19 s for
-    80 KB of escaped quotes.)"""
-    depth, level = 0, [value] if isinstance(value, dict | list) else []
-    while level and depth <= MAX_JSON_DEPTH:
+def _shape(value: Any) -> tuple[int, int]:
+    """The deepest nesting of arrays and objects in a parsed value, and how many there are, level by level without
+    recursion, stopping once either passes its bound. (Measured on the text, with a regex skipping strings, the depth
+    took quadratic time: 19 s for 80 KB of escaped quotes.)"""
+    depth, containers, level = 0, 0, [value] if isinstance(value, dict | list) else []
+    while level and depth <= MAX_JSON_DEPTH and containers <= MAX_JSON_CONTAINERS:
         depth += 1
+        containers += len(level)
         children: list[Any] = []
         for item in level:
             children.extend(item.values() if isinstance(item, dict) else item)
         level = [child for child in children if isinstance(child, dict | list)]
-    return depth
+    return depth, containers
 
 
 def _bounded_int(code: str, digits: str) -> int:
@@ -198,16 +199,25 @@ def _no_constant(name: str) -> float:
     raise ProtocolError("invalid_json", f"{name} is not a JSON number")
 
 
-def _check_unicode(value: Any, code: str, path: str = "message") -> None:
+def _check_unicode(value: Any, code: str) -> None:
+    """Refuses a lone surrogate in any string or key; one C pass (an encoding of the whole value), and a walk only to
+    name where the one it found is."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, TypeError, ValueError):  # a surrogate; or not JSON's types (a server-made message)
+        _find_surrogate(value, code)
+
+
+def _find_surrogate(value: Any, code: str, path: str = "message") -> None:
     if isinstance(value, str):
         _check_text(value, path, code)
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_text(key, f"{path} key", code)
-            _check_unicode(item, code, key[:MAX_NAME_CHARS] if path == "message" else f"{path}.{key[:40]}")
+            _find_surrogate(item, code, key[:MAX_NAME_CHARS] if path == "message" else f"{path}.{key[:40]}")
     elif isinstance(value, list):
         for item in value:
-            _check_unicode(item, code, f"{path}[]")
+            _find_surrogate(item, code, f"{path}[]")
 
 
 def _check_text(text: str, path: str, code: str) -> None:
@@ -461,8 +471,12 @@ def _audio(current: AudioFormat, fields: dict[str, Any]) -> AudioFormat:
     rate = fields.get("sample_rate")
     if rate is None:  # a new encoding without a rate takes that encoding's default rate
         rate = current.sample_rate if encoding == current.encoding else DEFAULT_RATES.get(encoding, 0)
+    bitrate = fields.get("bitrate")
+    if bitrate is None:  # kept from before; one another encoding ignored does not follow into opus
+        low, high = OPUS_BITRATES
+        bitrate = current.bitrate if encoding != "opus" or low <= current.bitrate <= high else AudioFormat().bitrate
     values = dict(encoding=encoding, sample_rate=rate, frame_ms=fields.get("frame_ms", current.frame_ms),
-                  bitrate=fields.get("bitrate", current.bitrate))
+                  bitrate=bitrate)
     for name, value in values.items():
         wanted = str if name == "encoding" else int
         if isinstance(value, bool) or not isinstance(value, wanted):

@@ -14,7 +14,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from realtime.audio.encoders import StreamEncoder
 from realtime.gateway import Gateway
-from realtime.lexicon import compile_off_loop
+from realtime.lexicon import MAX_RULES, compile_off_loop
 from realtime.ws.backpressure import SlowConsumerPolicy
 from realtime.ws.outbox import Outbox, Outgoing
 from realtime.ws.protocol import (
@@ -211,7 +211,8 @@ class Session:
             except ProtocolError as failure:
                 refusal = failure
         if message is not None and isinstance(message.get("lexicon"), list) and self._takes_lexicon(message):
-            if not self._lexicon_budget.allow(len(message["lexicon"])):
+            rules = len(message["lexicon"])  # past MAX_RULES it is refused for its size before any compile: free
+            if not self._lexicon_budget.allow(rules if rules <= MAX_RULES else 0):
                 refusal = ProtocolError("rate_limited", f"inline lexicons of more than {INLINE_RULES_RATE} rules a "
                                                         "second; this message was dropped (a stored lexicon, POST "
                                                         "/v1/lexicons, costs nothing to name)",
