@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import av
 import openai
@@ -222,6 +223,22 @@ def test_metrics_negotiate_openmetrics(server, accept, openmetrics):
             "voxgate_errors_total", "voxgate_engine_requests_active"} <= names
 
 
+def wait_until(condition: Callable[[], bool], deadline: float, why: str) -> None:
+    """Polls `condition` until it holds; fails with `why` once time.monotonic() passes `deadline`."""
+    while not condition():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.05)
+
+
+def speech_sent(server: RunningServer, body: bytes) -> socket.socket:
+    """A raw connection that has sent a whole speech request and reads nothing: closing it is the client leaving."""
+    host, port = server.http.removeprefix("http://").split(":")
+    raw = socket.create_connection((host, int(port)))
+    raw.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return raw
+
+
 @pytest.mark.parametrize("response_format, stream", [("mp3", True), ("opus", True), ("pcm", True), ("wav", False),
                                                      ("mp3", False)])
 def test_a_client_that_leaves_frees_the_engine_at_once(server, response_format, stream):
@@ -232,19 +249,13 @@ def test_a_client_that_leaves_frees_the_engine_at_once(server, response_format, 
     gone = metric(server, "voxgate_http_speech_requests_total", status="499")
     handled = sum(v for (name, _), v in metric_samples(server)[1].items()
                   if name == "voxgate_http_speech_requests_total")
-    host, port = server.http.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as raw:
-        raw.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    deadline = time.monotonic() + 30
-    while sum(v for (name, _), v in metric_samples(server)[1].items()
-              if name == "voxgate_http_speech_requests_total") == handled:  # the handler took it (and counted it)
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    freed_by = time.monotonic() + 1.0
-    while metric(server, "voxgate_engine_requests_active") > 0:
-        assert time.monotonic() < freed_by, "the engine request outlived its client"
-        time.sleep(0.05)
+    with speech_sent(server, body):
+        pass  # closed at once, before any audio
+    wait_until(lambda: sum(v for (name, _), v in metric_samples(server)[1].items()
+                           if name == "voxgate_http_speech_requests_total") != handled,  # the handler counted it
+               time.monotonic() + 30, "the handler never took the request")
+    wait_until(lambda: metric(server, "voxgate_engine_requests_active") == 0, time.monotonic() + 1.0,
+               "the engine request outlived its client")
     assert metric(server, "voxgate_http_speech_requests_total", status="499") == gone + 1
 
 
@@ -258,22 +269,16 @@ def test_a_streamed_request_waiting_for_a_slot_is_dropped_when_its_client_leaves
                                                                   "stream": False}))
         long.start()
         deadline = time.monotonic() + 30
-        while metric(one_slot, "voxgate_engine_requests_active") < 1:  # the long one holds the slot
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+
+        def active() -> float:
+            return metric(one_slot, "voxgate_engine_requests_active")
+
+        wait_until(lambda: active() >= 1, deadline, "the long request never took the slot")
         body = json.dumps({"input": "Hello there.", "response_format": "pcm", "stream": True,
                            "stream_format": stream_format}).encode()
-        host, port = one_slot.http.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port))) as raw:
-            raw.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            while metric(one_slot, "voxgate_engine_requests_active") < 2:  # it waits for the slot
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        freed_by = time.monotonic() + 1.0
-        while metric(one_slot, "voxgate_engine_requests_active") > 1:
-            assert time.monotonic() < freed_by, "the abandoned request kept its place in the queue"
-            time.sleep(0.05)
+        with speech_sent(one_slot, body):
+            wait_until(lambda: active() >= 2, deadline, "the streamed request never waited for the slot")
+        wait_until(lambda: active() <= 1, time.monotonic() + 1.0, "the abandoned request kept its place in the queue")
         assert long.is_alive()  # the slot was still held: the request left the queue, not a finished slot
         long.join(timeout=300)
 
