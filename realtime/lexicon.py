@@ -378,7 +378,6 @@ class LexiconStore:
         lexicon = self.resolve(rules) if isinstance(rules, Lexicon | LexiconError) else parse_rules(rules, name)
         if lexicon.name != name:
             raise ValueError(f"a lexicon compiled as {lexicon.name!r} stored as {name!r}")
-        self.check_room(name)  # another may have been stored meanwhile
         created = name not in self._lexicons
         self._lexicons[name] = lexicon
         return lexicon, created
