@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import TransformerConfig
+from engine.kernels import dependent_launch as dependent_launch_module
+from engine.kernels.dependent_launch import dependent_launch
 from engine.kernels.few_rows_linear import few_rows_linear
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
@@ -242,3 +244,22 @@ def test_few_rows_linear_gives_a_row_the_same_bits_alone_and_in_a_batch(rows_per
     for row in (0, 6, 10):
         alone = few_rows_linear(batch[row:row + 1].clone(), linear.weight, linear.bias, norm=norm_weight, **blocks)
         assert torch.equal(alone[0], together[row])
+
+
+@pytest.mark.parametrize("capability, interpreted, switch, expected", [
+    (9, False, None, True),  # Hopper: the chain launches with PDL
+    (10, False, "1", True),
+    (8, False, None, False),  # before Hopper there is no programmatic launch
+    (9, True, None, False),  # the interpreter cannot wait on a grid
+    (9, False, "0", False),  # VOXGATE_DEPENDENT_LAUNCH=0: launched as before (the benchmarks' before)
+])
+def test_dependent_launch_only_where_the_gpu_and_the_switch_allow_it(monkeypatch, capability, interpreted, switch,
+                                                                     expected):
+    monkeypatch.setattr(dependent_launch_module, "_hopper_or_later", lambda index: capability >= 9)
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    if switch is None:
+        monkeypatch.delenv("VOXGATE_DEPENDENT_LAUNCH", raising=False)
+    else:
+        monkeypatch.setenv("VOXGATE_DEPENDENT_LAUNCH", switch)
+    assert dependent_launch(torch.device("cuda", 0)) is expected
+    assert dependent_launch(torch.device("cpu")) is False

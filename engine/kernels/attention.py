@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.dependent_launch import dependent_launch, wait_for_inputs
+
 MAX_BLOCK_N = 64
 MIN_DOT = 16  # tl.dot's smallest side: the query heads and head dims are padded up to it
 
@@ -22,7 +24,8 @@ MIN_DOT = 16  # tl.dot's smallest side: the query heads and head dims are padded
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr,
                    stride_qb, stride_qh, stride_ks, stride_kh, stride_kc, stride_ob, stride_oh,
                    scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                   DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -68,6 +71,7 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     group = heads // kv_heads
+    pdl = dependent_launch(q.device)
     _decode_kernel[(rows, kv_heads)](
         q, k_cache, v_cache, out, slots, lengths,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -75,7 +79,7 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_N=min(MAX_BLOCK_N, max(MIN_DOT, triton.next_power_of_2(capacity))),
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", PDL=pdl, launch_pdl=pdl,
     )
     return out
 

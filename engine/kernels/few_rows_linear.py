@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.dependent_launch import dependent_launch, wait_for_inputs
+
 PLAIN = tl.constexpr(0)  # what is applied to the input as it is loaded
 NORM = tl.constexpr(1)
 SWIGLU = tl.constexpr(2)
@@ -35,7 +37,8 @@ def _rounded(x, DTYPE: tl.constexpr):
 def _few_rows_linear_kernel(x_ptr, weight_ptr, bias_ptr, norm_ptr, residual_ptr, out_ptr,
                             rows, features, width, stride_x, stride_out, eps,
                             INPUT: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     dtype = weight_ptr.dtype.element_ty
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # row blocks of one weight tile run side by side (L2)
     row_mask = row < rows
@@ -92,10 +95,11 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     out = residual if residual is not None else torch.empty(rows, features, dtype=weight.dtype, device=x.device)
     assert out.shape == (rows, features) and out.stride(1) == 1
     grid = (triton.cdiv(rows, rows_per_program), triton.cdiv(features, block_n))
+    pdl = dependent_launch(x.device)
     _few_rows_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, norm if norm is not None else weight, out, out,
         rows, features, width, x.stride(0), out.stride(0), eps,
         INPUT=(NORM if norm is not None else SWIGLU if swiglu else PLAIN).value, HAS_BIAS=bias is not None,
-        ADD_RESIDUAL=residual is not None, ROWS=rows_per_program, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+        ADD_RESIDUAL=residual is not None, ROWS=rows_per_program, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out

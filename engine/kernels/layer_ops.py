@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.dependent_launch import dependent_launch, wait_for_inputs
+
 
 @triton.jit
 def _rounded(x, DTYPE: tl.constexpr):
@@ -21,7 +23,8 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(residual_ptr, delta_ptr, weight_ptr, normed_ptr, size, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -39,8 +42,10 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     """residual [N, H] += delta (in place, rounded as the reference's `x + f(x)`); returns RMSNorm(residual)."""
     rows, size = residual.shape
     normed = torch.empty_like(residual)
+    pdl = dependent_launch(residual.device)
     _add_rms_norm_kernel[(rows,)](residual, residual if delta is None else delta, weight, normed, size, eps,
-                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(size))
+                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(size), PDL=pdl,
+                                  launch_pdl=pdl)
     return normed
 
 
@@ -48,7 +53,8 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
 def _qk_norm_rope_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, inv_freq_ptr, positions_ptr, slots_ptr,
                          q_out_ptr, k_cache_ptr, v_cache_ptr,
                          stride_qkv, stride_cs, stride_ch, stride_cc, eps,
-                         Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+                         Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)  # query heads first, then key heads (each also moves its value head)
     half = HALF
@@ -92,15 +98,17 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
     rows = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     queries = torch.empty(rows, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    pdl = dependent_launch(qkv.device)
     _qk_norm_rope_kernel[(rows, q_heads + kv_heads)](
         qkv, q_norm, k_norm, inv_freq, positions, slots, queries, k_cache, v_cache,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        Q_HEADS=q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2)
+        Q_HEADS=q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, PDL=pdl, launch_pdl=pdl)
     return queries
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, size, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, size, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -116,5 +124,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(width // 2))
-    _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, width // 2, BLOCK=block)
+    pdl = dependent_launch(gate_up.device)
+    _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, width // 2, BLOCK=block, PDL=pdl,
+                                                             launch_pdl=pdl)
     return out

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.dependent_launch import dependent_launch, wait_for_inputs
+
 from engine.sampling import SamplerBatch
 
 
@@ -60,7 +62,8 @@ def _gumbel(seed, counter, cols):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride_row, vocab, out_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
-                   seeds_ptr, frame_ptr, group, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+                   seeds_ptr, frame_ptr, group, GROUPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     valid = cols < vocab
@@ -93,7 +96,8 @@ def fused_choose(logits: torch.Tensor, params: SamplerBatch, seeds: torch.Tensor
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     block = triton.next_power_of_2(vocab)
+    pdl = dependent_launch(logits.device)
     _sample_kernel[(rows,)](logits, logits.stride(0), vocab, out, params.do_sample, params.temperature,
                             params.top_k, params.top_p, seeds, frame_index, group, GROUPS=groups, BLOCK=block,
-                            num_warps=8 if block >= 2048 else 4)
+                            PDL=pdl, num_warps=8 if block >= 2048 else 4, launch_pdl=pdl)
     return out
