@@ -299,6 +299,31 @@ def test_flush_mark_and_unknown_contexts(server):
     run(go())
 
 
+def test_after_context_end_text_flush_mark_and_end_are_refused_until_its_done(server):
+    """context.end means no more text: while the ended context still speaks, an append, a flush, a mark and a second
+    end each get error{context_closed} naming it (none is silently dropped or acked as if it counted), and its one
+    context.done still comes, echoing the first end's event_id."""
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="x", text="A sentence long enough to keep speaking. " * 8)
+        await conn.send(type="context.end", context_id="x", event_id="end-1")
+        refused = [{"type": "text.append", "context_id": "x", "text": "more"},
+                   {"type": "context.flush", "context_id": "x"}, {"type": "mark", "context_id": "x", "name": "m"},
+                   {"type": "context.end", "context_id": "x"}]
+        for index, message in enumerate(refused):
+            await conn.send(**message, event_id=index)
+        seen = await conn.until(done_of("x"))
+        errors = [e for e in seen if e["type"] == "error"]
+        assert [(e["code"], e["context_id"], e["event_id"]) for e in errors] == [
+            ("context_closed", "x", index) for index in range(len(refused))]  # all before its done: it was live
+        assert not any(e["type"] in ("context.flushed", "mark") for e in seen)
+        assert seen[-1]["event_id"] == "end-1"
+        await conn.send(type="ping", id=1)
+        assert [e["type"] for e in await conn.until(lambda e: e["type"] == "pong")] == ["pong"]  # one done only
+        await conn.ws.close()
+    run(go())
+
+
 def test_every_ack_echoes_the_event_id_of_the_message_it_answers(server):
     """PROTOCOL.md: an optional event_id on a client message is echoed on the ack it causes: context.flushed (of a
     flush, or an append with flush), mark, context.done (of context.end), session.closed (of session.close)."""

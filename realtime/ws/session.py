@@ -16,6 +16,7 @@ from realtime.audio.encoders import StreamEncoder
 from realtime.gateway import Gateway
 from realtime.lexicon import MAX_RULES, compile_off_loop
 from realtime.ws.backpressure import SlowConsumerPolicy
+from realtime.ws.contexts import SessionContext
 from realtime.ws.outbox import Outbox, Outgoing
 from realtime.ws.protocol import (
     CLOSE_GOING_AWAY,
@@ -271,9 +272,7 @@ class Session:
             self._too_long(context_id)
         context = self.contexts.find_or_open(context_id, message)
         self.settings.text_started = True  # a first append refused above changes nothing, session.start included
-        if context.ended:
-            raise ProtocolError("context_closed", f"context {context_id!r} has ended; use a new context_id",
-                                context_id=context_id)
+        self._refuse_if_ended(context)
         if context.text_chars + len(text) > self.limits.max_text_chars:
             self._too_long(context_id)
         context.append(text, message.get("event_id"))
@@ -285,15 +284,25 @@ class Session:
                                              "text; this append was dropped", context_id=context_id)
 
     def _on_context_flush(self, message: dict[str, Any]) -> None:
-        self.contexts.find(message["context_id"]).flush(message.get("event_id"))
+        self._unended(message).flush(message.get("event_id"))
 
     def _on_context_end(self, message: dict[str, Any]) -> None:
-        context = self.contexts.find(message["context_id"])
-        if not context.ended:
-            context.end(message.get("event_id"))
+        self._unended(message).end(message.get("event_id"))
 
     def _on_mark(self, message: dict[str, Any]) -> None:
-        self.contexts.find(message["context_id"]).mark(message["name"], message.get("event_id"))
+        self._unended(message).mark(message["name"], message.get("event_id"))
+
+    def _unended(self, message: dict[str, Any]) -> SessionContext:
+        context = self.contexts.find(message["context_id"])
+        self._refuse_if_ended(context)
+        return context
+
+    @staticmethod
+    def _refuse_if_ended(context: SessionContext) -> None:
+        """After `context.end` a context takes no more text, flush, mark or end: its `context.done` answers them all."""
+        if context.ended:
+            raise ProtocolError("context_closed", f"context {context.context_id!r} has ended (context.end); use a new "
+                                                  "context_id", context_id=context.context_id)
 
     def _on_context_cancel(self, message: dict[str, Any]) -> None:
         if message["context_id"] == "*":
