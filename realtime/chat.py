@@ -86,11 +86,13 @@ class ChatSocket:
                 await self._llm_client.close()
 
     async def _handle(self, text: str) -> None:
+        request_id = None  # a parsed request's, which its error names
         try:
             refusal = self._budget.refusal(text)
             if refusal is not None:
                 raise refusal
             message = parse_message(text, CHAT_MESSAGES)
+            request_id = message["id"]
             if message["type"] == "chat.cancel":
                 if message["id"] == self._turn_id:
                     await self._stop_turn()
@@ -107,7 +109,7 @@ class ChatSocket:
             self._turn_id = request.id
             self._turn = asyncio.get_running_loop().create_task(self._run_turn(request, session))
         except ProtocolError as failure:
-            await self._error(failure)
+            await self._error(failure, request_id)
 
     async def _stop_turn(self, disconnected: bool = False) -> None:
         """Stop the LLM; what it wrote is still spoken (`context.end`), unless the page went away."""

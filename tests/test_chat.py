@@ -168,23 +168,26 @@ def test_chat_cancel_stops_the_llm_and_speaks_what_it_wrote(server, long_reply):
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("message,code", [
-    ("not json", "invalid_json"),
-    ('{"type": "chat.hello"}', "unknown_type"),
-    ('{"type": "chat.request", "id": "x"}', "invalid_message"),
-    ('{"type": "chat.request", "id": "x", "session_id": "s", "context_id": "c", "messages": []}', "invalid_message"),
+@pytest.mark.parametrize("message,code,request_id", [
+    ("not json", "invalid_json", None),
+    ('{"type": "chat.hello"}', "unknown_type", None),
+    ('{"type": "chat.request", "id": "x"}', "invalid_message", None),  # not a request yet: no id to name
+    ('{"type": "chat.request", "id": "x", "session_id": "s", "context_id": "c", "messages": []}', "invalid_message",
+     "x"),
     ('{"type": "chat.request", "id": "x", "session_id": "s", "context_id": "c", '
-     '"messages": [{"role": "robot", "content": "hi"}]}', "invalid_message"),
+     '"messages": [{"role": "robot", "content": "hi"}]}', "invalid_message", "x"),
     ('{"type": "chat.request", "id": "x", "session_id": "nope", "context_id": "c", '
-     '"messages": [{"role": "user", "content": "hi"}]}', "session_not_found"),
+     '"messages": [{"role": "user", "content": "hi"}]}', "session_not_found", "x"),
 ])
-def test_bad_chat_messages_get_their_error_and_the_socket_goes_on(server, message, code):
+def test_bad_chat_messages_get_their_error_and_the_socket_goes_on(server, message, code, request_id):
+    """Each bad message gets its error, naming the request it refuses once the message is a well-formed request."""
     async def go():
         async with connect(chat_url(server)) as chat:
             await chat.recv()
             await chat.send(message)
             error = json.loads(await chat.recv())
             assert error["type"] == "error" and error["code"] == code and error["fatal"] is False
+            assert error.get("id") == request_id
             await chat.send('{"type": "chat.cancel", "id": "none"}')  # nothing to cancel: no answer, no close
             await chat.send("{}")
             assert json.loads(await chat.recv())["code"] == "invalid_message"
