@@ -353,3 +353,26 @@ def test_text_that_stops_behind_an_utterance_still_speaking_gives_its_slot_back_
     with running_server(Limits(), synthetic_frames_per_token=SHORT_SPEECH) as running:
         events = asyncio.run(go(running))
     assert not [e for e in events if e["type"] == "error"] and events[-1]["audio_ms"] > 0
+
+
+def test_the_queue_depth_gauge_drops_when_queued_requests_are_cancelled():
+    """voxgate_engine_queue_depth is reported by the engine's steps; requests cancelled while they wait for a slot
+    leave it at once, also when no step follows (it stayed at its last value while the engine idled)."""
+    with running_server(max_batch=1) as server:
+        async def go():
+            async with connect(server.ws) as ws:
+                assert json.loads(await ws.recv())["type"] == "session.started"
+                for context_id in ("a", "b", "c"):
+                    await ws.send(json.dumps({"type": "text.append", "context_id": context_id,
+                                              "text": "A sentence long enough to keep the only slot busy. " * 6}))
+                    await ws.send(json.dumps({"type": "context.end", "context_id": context_id}))
+                deadline = time.monotonic() + 30
+                while server.metric("voxgate_engine_queue_depth") < 2:  # one runs, two wait
+                    assert time.monotonic() < deadline, "the two waiting requests never showed in the gauge"
+                    await asyncio.sleep(0.05)
+                await ws.send(json.dumps({"type": "context.cancel", "context_id": "*"}))
+                deadline = time.monotonic() + 5
+                while server.metric("voxgate_engine_queue_depth") != 0:
+                    assert time.monotonic() < deadline, "the gauge kept the cancelled requests"
+                    await asyncio.sleep(0.05)
+        asyncio.run(go())

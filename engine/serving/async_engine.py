@@ -68,7 +68,7 @@ class FrontEnd:
         self.on_step = on_step
         self.on_failure = on_failure
         self.error: EngineFailed | None = None
-        self.waiting = 0  # requests queued for a slot, as of the last step
+        self._waiting_at_step = 0  # requests queued for a slot, as of the last step
         self.last_step_started: float | None = None  # set while a step runs: a stalled step shows here
         self._handles: dict[int, RequestHandle] = {}
         self._next_id = 0
@@ -84,6 +84,12 @@ class FrontEnd:
     def active(self) -> int:
         """Requests running or waiting (open requests)."""
         return len(self._handles)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot: as the last step left them, but never more than are open now (requests
+        cancelled while queued leave at once, even when no step follows to report it)."""
+        return min(self._waiting_at_step, self.active)
 
     def submit(self, request: SynthesisRequest) -> RequestHandle:
         """Queue a request; raises at once RequestError (invalid), EngineFull (as many requests open as the engine
@@ -128,7 +134,7 @@ class FrontEnd:
         self.last_step_started = time.monotonic()
 
     def step_done(self, seconds: float, batch: int, waiting: int) -> None:
-        self.last_step_started, self.waiting = None, waiting
+        self.last_step_started, self._waiting_at_step = None, waiting
         if self.on_step is not None:
             self.on_step(seconds, batch)
 
