@@ -6,6 +6,7 @@ key."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import socket
@@ -20,6 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.errors import VoxgateError
 from realtime.app import WEB_DIR, create_app, drain_sessions
+from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway, GatewayOptions, check_options
 
 # uvicorn's legacy websockets protocol, on purpose: its sans-I/O one (uvicorn 0.54) closes the TCP connection right
@@ -169,8 +171,21 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
 PING_INTERVAL_S = 20.0
 PING_TIMEOUT_S = 20.0
 LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "voxgate")
-_OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                  b"content-length: 26\r\nconnection: close\r\n\r\ntoo many open connections\n")
+
+
+def _closing_response(failure: HTTPFailure, reason: str) -> bytes:
+    """A whole HTTP/1.1 response written before the app sees the request: the API's JSON error, then the close."""
+    body = json.dumps(failure.body()).encode()
+    head = (f"HTTP/1.1 {failure.status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+_OVER_CAPACITY = _closing_response(HTTPFailure(503, "overloaded", "too many open connections; try again later"),
+                                   "Service Unavailable")
+_MALFORMED = _closing_response(HTTPFailure(400, "invalid_message", "malformed HTTP/1.1 request: its request line, a "
+                                                                   "header or its Content-Length cannot be parsed"),
+                               "Bad Request")
 # a parameter's name stops at the next separator (`?` too), so the names tried from each separator never overlap and
 # a line costs linear time: a name that could run on over later `?` made "?" * 15,000 take seconds of the event loop
 _QUERY_PARAM = re.compile(r"([?&;])([^=&;?#\s\"']*)=([^&;#\s\"']*)")
@@ -215,6 +230,11 @@ class GuardedH11Protocol(H11Protocol):
         if self.conn.their_state is not h11.IDLE:
             self._disarm()
         self._watch_body()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse gets the API's JSON error (uvicorn sends plain text), then the close."""
+        self.transport.write(_MALFORMED)
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         """A pipelined request, already read, starts here rather than in `data_received`: its body is watched too."""

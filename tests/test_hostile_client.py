@@ -338,6 +338,35 @@ def test_hostile_speech_bodies_get_specific_errors_and_hurt_no_one(server, healt
     assert server.process.poll() is None
 
 
+# --- requests HTTP/1.1 cannot parse ----------------------------------------------------------------------------
+
+_NOT_A_LENGTH = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=24).filter(
+    lambda value: not value.strip(" \t").isdigit())
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(head=st.one_of(
+    _NOT_A_LENGTH.map(lambda value: f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Length: {value}\r\n\r\n"),
+    st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)).filter(lambda pair: pair[0] != pair[1]).map(
+        lambda pair: f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Length: {pair[0]}\r\n"
+                     f"Content-Length: {pair[1]}\r\n\r\n"),
+    st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=40).map(
+        lambda line: f"{line}\r\n\r\n").filter(lambda head: " HTTP/" not in head)))
+def test_a_request_http_cannot_parse_gets_the_apis_json_error(server, head):
+    """A bad Content-Length (not a number, two that differ) or a request line that is not one: 400 with the API's
+    JSON error (uvicorn's own answer was plain text), then the close; the server goes on."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=EXAMPLE_TIMEOUT_S) as raw:
+        raw.sendall(head.encode())
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 ") and b"application/json" in status, answer
+    assert json.loads(body)["error"]["code"] == "invalid_message"
+    assert server.get("/health")[0] == 200
+
+
 # --- bodies cut short ---------------------------------------------------------------------------------------------
 
 BODY_ROUTES = ["/v1/audio/speech", "/v1/lexicons", "/v1/audio/voices"]
