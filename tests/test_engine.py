@@ -293,3 +293,42 @@ def test_a_waiting_request_without_a_free_slot_is_no_work(tts):
     assert not engine.has_work()
     engine.cancel(held)
     assert engine.has_work()  # the slot is free: the waiting request is admitted by the next step
+
+
+@pytest.mark.parametrize("paused_at", [0, 3])
+def test_a_paused_request_runs_no_frame_keeps_its_slot_and_speaks_the_same_when_resumed(tts, paused_at):
+    """A request whose client reads too slowly is paused: it runs no frame (the step loop has no work for it alone),
+    keeps its slot, its audio made before still arrives; resumed, it goes on to the same audio as a request that never
+    paused (seeded, fp32: the same codes; the frames made before the pause are decoded in chunks of their own, so the
+    waveform agrees to float rounding), while the request beside it runs on."""
+    probe, other = requests(tts, False, frames=[14, 10])
+    alone = run(Engine(tts, EngineConfig(max_batch=8, capacity=128)), {0: [probe]})[0][0]
+    engine = Engine(tts, EngineConfig(max_batch=8, capacity=128))
+    probe_id, other_id = engine.submit(probe), engine.submit(other)
+    audio: dict[int, list[np.ndarray]] = {probe_id: [], other_id: []}
+    done: set[int] = set()
+
+    def step() -> None:
+        for event in engine.step():
+            if isinstance(event, AudioChunk):
+                audio[event.request_id].append(event.samples)
+            else:
+                done.add(event.request_id)
+
+    for _ in range(paused_at):
+        step()
+    engine.pause(probe_id, True)
+    frames = engine.scheduler.find(probe_id).frames
+    for _ in range(40):  # the other request runs to its end meanwhile
+        if not engine.has_work():
+            break
+        step()
+    assert other_id in done and probe_id not in done and not engine.has_work()
+    assert engine.scheduler.find(probe_id).frames == frames and probe_id in engine.running  # no frame, same slot
+    engine.pause(probe_id, False)
+    for _ in range(60):
+        if engine.idle():
+            break
+        step()
+    paused = np.concatenate(audio[probe_id])
+    assert probe_id in done and paused.shape == alone.shape and np.allclose(paused, alone, rtol=0, atol=1e-5)

@@ -1,5 +1,6 @@
-"""A client that stops reading: the session's queued audio stays bounded (synthesis waits), the client is warned,
-and past the hard limit the session is closed with `slow_consumer`; the server keeps serving others. A client that
+"""A client that stops reading: the session's queued audio stays bounded (synthesis pauses), the client is warned,
+and past the hard limit the session is closed with `slow_consumer`; the server keeps serving others; a client that
+reads again before it gets all of its audio. A client that
 keeps sending pings meanwhile gets the same close: the pongs wait behind its unread audio."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from websockets.asyncio.client import connect
 
 import realtime.server as server_module
 from realtime.gateway import Limits
+from realtime.ws.protocol import pack_header
 from tests.gateway_server import events_until_closed, running_server
 
 SEND_QUEUE_MS = 400
@@ -68,3 +70,54 @@ async def _ping_forever(ws) -> None:
         while True:
             await ws.ping()
             await asyncio.sleep(PING_EVERY_S)
+
+
+def test_synthesis_pauses_while_the_client_does_not_read_and_nothing_is_lost_when_it_reads_again(monkeypatch):
+    """PROTOCOL.md: the session's synthesis pauses when its send queue is full. The engine runs no step for a
+    context whose client has stopped reading (its request keeps its slot), and once the client reads again the
+    context speaks on to its end: every sample of audio_ms arrives, none twice, and the session stays open."""
+    monkeypatch.setattr(server_module, "PING_INTERVAL_S", 120.0)
+    send_queue_ms = 2000  # the hard limit, 4 send queues of silence from the client, is 8 s away
+    with running_server(Limits(send_queue_ms=send_queue_ms)) as server:
+        async def go():
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", int(server.http.rsplit(":", 1)[1])))
+            ws = await connect(server.ws + "?encoding=pcm_s16le&sample_rate=24000", sock=sock, max_queue=1,
+                               max_size=None, ping_interval=None)
+            await ws.recv()  # session.started
+            (session,) = server.gateway.sessions
+            port = sock.getsockname()[1]  # the server's end of this socket buffers little: its send queue fills soon
+            (ours,) = [c for c in server.server.server_state.connections
+                       if c.transport.get_extra_info("peername")[1] == port]
+            ours.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            ws.transport.pause_reading()
+            await ws.send(json.dumps({"type": "text.append", "context_id": "c",
+                                      "text": "A long answer that keeps the model talking for a while. " * 8}))
+            await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
+            for _ in range(1000):  # the send queue fills, then a second of audio waits behind it: paused
+                await asyncio.sleep(0.02)
+                if session.outbox.queued_ms >= send_queue_ms and server.metric("voxgate_engine_requests_active"):
+                    steps = server.metric("voxgate_engine_step_seconds_count")
+                    await asyncio.sleep(0.5)
+                    if server.metric("voxgate_engine_step_seconds_count") == steps:
+                        break
+            else:
+                pytest.fail("the engine kept stepping for a client that reads nothing")
+            await asyncio.sleep(1.0)
+            assert server.metric("voxgate_engine_step_seconds_count") == steps  # still paused, its slot kept
+            assert server.metric("voxgate_engine_requests_active") == 1
+            ws.transport.resume_reading()
+            samples, events = 0, []
+            while not events or events[-1]["type"] != "context.done":
+                message = await asyncio.wait_for(ws.recv(), 60)
+                if isinstance(message, bytes):
+                    samples += (len(message) - len(pack_header(0, 0, 0))) // 2
+                else:
+                    events.append(json.loads(message))
+            assert not [e for e in events if e["type"] == "error"], events
+            assert samples / 24 == pytest.approx(events[-1]["audio_ms"], abs=0.5)
+            await ws.send(json.dumps({"type": "ping", "id": 1}))
+            assert json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] == "pong"  # still open
+            await ws.close()
+        asyncio.run(go())

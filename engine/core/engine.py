@@ -227,6 +227,15 @@ class Engine:
                               f"context of {self.runner.capacity}; shorten the text")
         return self.runner.capacity - length
 
+    def pause(self, request_id: int, paused: bool) -> None:
+        """Pause or resume a request whose listener cannot take more audio now (a client that reads slower than
+        real time): paused, it runs no frame and keeps its slot, as a request whose text has not arrived holds; the
+        frames it made are still decoded and delivered. Its output is the same as if it had never paused. A request
+        that has finished or was cancelled is left as it is."""
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            seq.paused = paused
+
     def cancel(self, request_id: int) -> bool:
         """Stop a request now: its slot is free for the next step and it produces no further event."""
         return self.scheduler.cancel(request_id)

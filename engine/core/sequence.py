@@ -28,6 +28,7 @@ class Sequence:
     done: str | None = None
     error: VoxgateError | None = None
     cancelled: bool = False
+    paused: bool = False  # its listener takes no more audio for now (`Engine.pause`)
     first_audio_at: float | None = None
 
     def text_id(self) -> int | None:
@@ -35,8 +36,8 @@ class Sequence:
         return self.feed.text_id(self.frames) if self.feed is not None else self.prompt.text_id(self.frames)
 
     def runnable(self) -> bool:
-        """Its next frame can run: its text token is in."""
-        return self.text_id() is not None
+        """Its next frame can run: it is not paused and its text token is in."""
+        return not self.paused and self.text_id() is not None
 
     def ready(self) -> bool:
         """Its prefill has its text: the first token, or for voice cloning enough tokens to fill the reference's

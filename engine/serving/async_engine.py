@@ -112,6 +112,10 @@ class FrontEnd:
     def end_text(self, request_id: int) -> None:
         self._send(Command("end", request_id))
 
+    def pause(self, request_id: int, paused: bool) -> None:
+        """Pause a request whose listener takes no more audio for now, or resume it (`Engine.pause`)."""
+        self._send(Command("pause" if paused else "resume", request_id))
+
     def _cancel(self, request_id: int) -> bool:
         """Nothing more is delivered from now on; the slot is freed before the next step."""
         running = self._handles.pop(request_id, None) is not None

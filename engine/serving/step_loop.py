@@ -24,7 +24,7 @@ log = logging.getLogger("voxgate")
 
 @dataclass(frozen=True)
 class Command:
-    kind: str  # "submit" | "append" | "end" | "cancel"
+    kind: str  # "submit" | "append" | "end" | "pause" | "resume" | "cancel"
     request_id: int  # the front end's id
     payload: SynthesisRequest | str | None = None  # the request (submit) or the text (append)
 
@@ -76,6 +76,8 @@ class StepLoop:
                     self.engine.append_text(engine_id, command.payload)
                 case "end":
                     self.engine.end_text(engine_id)
+                case "pause" | "resume":
+                    self.engine.pause(engine_id, command.kind == "pause")
                 case "cancel":
                     self.engine.cancel(engine_id)
                     self._forget(engine_id)

@@ -1,7 +1,11 @@
 """The slow-consumer policy (PROTOCOL.md): a client that reads its audio slower than it is made gets one warning and
-its synthesis pauses; once a context's unsent audio passes the hard limit the session ends with a fatal error."""
+its synthesis pauses: once the session's send queue is full its contexts stop encoding, and once a context has
+PAUSE_AFTER_MS of audio waiting behind that (or a send queue's worth, if less) its engine request pauses, keeping its
+slot, until half of it has gone out. A client that reads nothing for as long as the hard limit's audio would play (4 send queues), or a context whose
+waiting audio passes the hard limit all the same, ends the session with a fatal error."""
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 
@@ -13,6 +17,7 @@ HARD_LIMIT_FACTOR = 4  # unsent audio past this many send queues ends the sessio
 # and reads nothing made an error or pong per message, held without bound (500 MB for 2M messages). Audio alone stays
 # far below it: the hard limit holds 20 s of 10 ms frames per context.
 MAX_QUEUED_ITEMS = 10_000
+PAUSE_AFTER_MS = 1000  # audio made but not yet encoded (the send queue is full) past which a context's synthesis pauses
 
 
 class SlowConsumerPolicy:
@@ -20,13 +25,29 @@ class SlowConsumerPolicy:
         """`abort` ends the session with a fatal error (the session's close code for policy violations)."""
         self.outbox, self.send_queue_ms, self.abort = outbox, send_queue_ms, abort
         self.hard_limit_ms = HARD_LIMIT_FACTOR * send_queue_ms
+        self.pause_ms = min(PAUSE_AFTER_MS, send_queue_ms)
         self._warning: Outgoing | None = None  # sent once per session
 
     async def wait_for_room(self) -> None:
-        """Before a context encodes more audio: while the outbox holds a send queue of audio, warn and wait."""
+        """Before a context encodes more audio: while the outbox holds a send queue of audio, warn and wait; a
+        client that takes nothing for the hard limit's time is not reading at all."""
         if self.outbox.queued_ms >= self.send_queue_ms:
             self._warn()
-            await self.outbox.below(self.send_queue_ms)
+            try:
+                await asyncio.wait_for(self.outbox.below(self.send_queue_ms), self.hard_limit_ms / 1000)
+            except TimeoutError:
+                seconds = self.hard_limit_ms / 1000
+                self.abort(ProtocolError("slow_consumer", f"the client has read no audio for {seconds:g} s; closing",
+                                         fatal=True))
+                await self.outbox.below(self.send_queue_ms)  # the close cancels the context
+
+    def should_pause(self, waiting_ms: float) -> bool:
+        """A context's audio waiting to be encoded has reached `pause_ms`: its synthesis pauses."""
+        return waiting_ms >= self.pause_ms
+
+    def may_resume(self, waiting_ms: float) -> bool:
+        """Half of it has gone out since: synthesis resumes (a margin, so that it does not flip every chunk)."""
+        return waiting_ms < self.pause_ms / 2
 
     def check_backlog(self, waiting_ms: float) -> None:
         """A context's synthesized audio not yet encoded: past the hard limit the client does not read at all."""

@@ -122,6 +122,8 @@ class SessionContext:
             if isinstance(item, ContextAudio):
                 self._waiting_ms += len(item.samples) / MODEL_SAMPLE_RATE * 1000
                 self.slow.check_backlog(self._waiting_ms)
+                if self.slow.should_pause(self._waiting_ms):
+                    self.speech.pause(True)
             backlog.put_nowait(item)
 
     def _time_words(self, text: ContextText) -> None:
@@ -137,6 +139,8 @@ class SessionContext:
         await self.slow.wait_for_room()
         frames = await self.framer.encode(audio.samples)
         self._waiting_ms -= len(audio.samples) / MODEL_SAMPLE_RATE * 1000
+        if self.slow.may_resume(self._waiting_ms):
+            self.speech.pause(False)
         if not self.cancelled:
             self._queue_frames(frames, last=False)
 

@@ -87,6 +87,7 @@ class SpeechContext:
         self._events: asyncio.Queue[ContextEvent] = asyncio.Queue()
         self._markers: dict[int, list[tuple[str, str, Any]]] = {}  # utterance index -> markers after its audio
         self._ended = False
+        self._paused = False  # the client reads slower than real time: the engine makes no more audio for now
         self._flushes = 0
         self._wake = asyncio.Event()
         self._request: RequestHandle | None = None  # the speaking utterance's engine request
@@ -140,6 +141,15 @@ class SpeechContext:
         self.planner.close()
         self._ended = True
         self._wake.set()
+
+    def pause(self, paused: bool) -> None:
+        """Pause synthesis while the client cannot take more audio, or resume it: the speaking utterance's engine
+        request pauses (it keeps its slot; its audio comes out the same), and a later one starts paused or not as
+        this says."""
+        if paused != self._paused:
+            self._paused = paused
+            if self._request is not None and not self._request.cancelled:
+                self.engine.pause(self._request.request_id, paused)
 
     def cancel(self) -> None:
         """Stop now; nothing more is delivered."""
@@ -256,6 +266,8 @@ class SpeechContext:
         sent = len(utterance.text)
         self._request = request = self.engine.submit(
             replace(self.template, text=utterance.text, sampling=sampling, text_complete=whole))
+        if self._paused:
+            self.engine.pause(request.request_id, True)
         self._speaking = utterance
         self._events.put_nowait(ContextText(utterance.index, utterance.text, final=whole))
         feeder = None if whole else asyncio.get_running_loop().create_task(
