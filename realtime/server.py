@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import socket
+from http import HTTPStatus
 import warnings
 from collections import deque
 from typing import Any
@@ -31,7 +32,8 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="The `websockets` implementation is deprecated")
     warnings.filterwarnings("ignore", message="websockets.legacy is deprecated")
     from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
-    from websockets.exceptions import ProtocolError
+    from websockets.datastructures import Headers
+    from websockets.exceptions import AbortHandshake, InvalidHandshake, InvalidUpgrade, ProtocolError
     from websockets.frames import DATA_OPCODES, Frame, Opcode
     from websockets.legacy.protocol import MAX_FRAGMENTS, TooManyFragments
     from websockets.protocol import State
@@ -56,7 +58,10 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
     A session ends as soon as nothing more can arrive on its socket (`ensure_open`), while the connection stays
     until the protocol has closed it (`_app_then_close`).
 
-    And the messages written in one turn of the event loop leave in one socket write (`write_frame_sync`)."""
+    And the messages written in one turn of the event loop leave in one socket write (`write_frame_sync`).
+
+    And a handshake's headers reach the app as the bytes that were sent (`process_request`); a refused one gets the
+    API's JSON error (`handshake`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._drain_waiters: deque[asyncio.Future[None]] = deque()
@@ -85,6 +90,27 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
             return
         self._write_held()
         self.transport.write(frame)
+
+    async def process_request(self, path: str, request_headers: Headers) -> Any:
+        """The library decodes header bytes that are not ASCII with `surrogateescape`, and uvicorn's latin-1 encoding
+        of them failed the handshake with a 500 and a traceback (a browser's UTF-8 cookie did): each value is given
+        here as the latin-1 text of its bytes, which uvicorn encodes back to them."""
+        headers = Headers((name, value.encode("ascii", "surrogateescape").decode("latin-1"))
+                          for name, value in request_headers.raw_items())
+        return await super().process_request(path, headers)
+
+    async def handshake(self, *args: Any, **kwargs: Any) -> str:
+        """A request the library refuses as a handshake (a malformed head, no key, another version, no upgrade)
+        gets the API's JSON error with the library's reason, not its plain text."""
+        try:
+            return await super().handshake(*args, **kwargs)
+        except AbortHandshake:
+            raise
+        except InvalidHandshake as refused:
+            status = HTTPStatus.UPGRADE_REQUIRED if isinstance(refused, InvalidUpgrade) else HTTPStatus.BAD_REQUEST
+            failure = HTTPFailure(status, "invalid_message", f"not a WebSocket handshake: {refused}")
+            headers = [("Content-Type", "application/json")] + ([("Upgrade", "websocket")] if status == 426 else [])
+            raise AbortHandshake(status, headers, json.dumps(failure.body()).encode()) from refused
 
     async def read_message(self) -> str | bytes | None:
         """The library's reassembly of a message from its frames, with one change: a text message's bytes are

@@ -367,6 +367,46 @@ def test_a_request_http_cannot_parse_gets_the_apis_json_error(server, head):
     assert server.get("/health")[0] == 200
 
 
+# --- WebSocket handshakes -----------------------------------------------------------------------------------------
+
+def _handshake(port: int, extra_headers: bytes, key: bool = True) -> bytes:
+    """A raw WebSocket opening handshake on /v1/tts/stream: the response, up to the close (the head of a 101)."""
+    head = (b"GET /v1/tts/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            + (b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n" if key else b"")
+            + b"Sec-WebSocket-Version: 13\r\n" + extra_headers + b"\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=EXAMPLE_TIMEOUT_S) as raw:
+        raw.sendall(head)
+        answer = b""
+        while (b"\r\n\r\n" not in answer or not answer.startswith(b"HTTP/1.1 101 ")) and (chunk := raw.recv(65536)):
+            answer += chunk  # a refusal is read to the close
+    return answer
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(name=st.sampled_from([b"User-Agent", b"Cookie", b"X-Anything", b"Origin-Hint"]),
+       value=st.binary(min_size=1, max_size=60).map(
+           lambda raw: bytes(b for b in raw if b >= 0x20 and b != 0x7F).strip() or b"\xc3\xa9"))
+def test_a_handshake_header_of_any_bytes_opens_the_session(server, name, value):
+    """Header bytes that are not ASCII (a browser's UTF-8 cookie, any byte HTTP allows in a value) failed the
+    handshake with a 500 and a traceback (the module's server log is checked for tracebacks when it stops): the socket opens as any other."""
+    answer = _handshake(server.port, name + b": " + value + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 101 "), answer[:200]
+
+
+@pytest.mark.parametrize("extra, key", [(b"", False), (b"X-Control: a\x01b\r\n", True),
+                                        (b"Sec-WebSocket-Version: 8\r\n", True)],
+                         ids=["no-key", "control-byte", "two-versions"])
+def test_a_request_that_is_no_websocket_handshake_gets_the_apis_json_error(server, extra, key):
+    """No key, a control byte in a header (not a valid HTTP header value), a second version: 400 with the API's JSON
+    error (the library answered plain text)."""
+    answer = _handshake(server.port, extra, key=key)
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 ") and b"application/json" in status, answer
+    assert json.loads(body)["error"]["code"] == "invalid_message"
+    assert server.get("/health")[0] == 200
+
+
 # --- bodies cut short ---------------------------------------------------------------------------------------------
 
 BODY_ROUTES = ["/v1/audio/speech", "/v1/lexicons", "/v1/audio/voices"]
