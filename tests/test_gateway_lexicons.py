@@ -251,6 +251,27 @@ def test_a_refusal_the_text_pause_releases_answers_the_last_text(small_server, m
     assert asyncio.run(go()) == [("text_too_long", "held")]
 
 
+def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
+    """A context its lexicon took past the limit makes no more audio: a flush or mark after the refusal would never be
+    answered (the client waited for it), so each gets context_closed; its end still gets its context.done."""
+    async def go():
+        ws = await raw(small_server)
+        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "a", "replacement": "b" * 200}]}))
+        await until(ws, lambda e: e["type"] == "session.started")
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello. " + "a " * 3,
+                                  "event_id": "past"}))
+        await ws.send(json.dumps({"type": "mark", "context_id": "c", "name": "m", "event_id": "mark"}))
+        await ws.send(json.dumps({"type": "context.flush", "context_id": "c", "event_id": "flush"}))
+        await ws.send(json.dumps({"type": "context.end", "context_id": "c", "event_id": "end"}))
+        events = await until(ws, lambda e: e["type"] == "context.done")
+        await ws.close()
+        return [(e["code"], e.get("event_id")) for e in events if e["type"] == "error"], events[-1].get("event_id")
+
+    errors, done_event_id = asyncio.run(go())
+    assert sorted(errors) == [("context_closed", "flush"), ("context_closed", "mark"), ("text_too_long", "past")]
+    assert done_event_id == "end"
+
+
 def test_the_speech_endpoint_refuses_a_lexicon_that_expands_past_the_text_limit(small_server):
     grows = [{"term": "ok", "replacement": "k" * 200}]
     status, body = speech(small_server, input="ok ok.", lexicon=grows)

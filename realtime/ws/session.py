@@ -284,17 +284,26 @@ class Session:
                                              "text; this append was dropped", context_id=context_id)
 
     def _on_context_flush(self, message: dict[str, Any]) -> None:
-        self._unended(message).flush(message.get("event_id"))
+        self._answerable(message).flush(message.get("event_id"))
 
     def _on_context_end(self, message: dict[str, Any]) -> None:
         self._unended(message).end(message.get("event_id"))
 
     def _on_mark(self, message: dict[str, Any]) -> None:
-        self._unended(message).mark(message["name"], message.get("event_id"))
+        self._answerable(message).mark(message["name"], message.get("event_id"))
 
     def _unended(self, message: dict[str, Any]) -> SessionContext:
         context = self.contexts.find(message["context_id"])
         self._refuse_if_ended(context)
+        return context
+
+    def _answerable(self, message: dict[str, Any]) -> SessionContext:
+        """The context of a flush or mark, which is answered after the audio of the text before it: a context whose
+        text passed max_text_chars (with its lexicon's replacements) makes no more audio, so it would never be."""
+        context = self._unended(message)
+        if context.speech.refused:
+            raise ProtocolError("context_closed", f"context {context.context_id!r} has ended: its text passed "
+                                                  "max_text_chars; use a new context_id", context_id=context.context_id)
         return context
 
     @staticmethod
