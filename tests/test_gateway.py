@@ -655,14 +655,15 @@ def test_ping_keepalive_and_graceful_close(server):
 
 def test_a_graceful_close_can_still_be_cut_short(server):
     """During a graceful close the client may still stop what is finishing: a context.cancel (barge-in) is acked and
-    an abort ends the rest; new text is refused, naming its context."""
+    an abort ends the rest; new text is refused, naming its context, and so is a second graceful close."""
     async def go():
         conn = await session(server)
         for context_id in ("a", "b"):
             await conn.send(type="text.append", context_id=context_id, text=LONG_TEXT)
-        await conn.send(type="session.close", mode="graceful")
+        await conn.send(type="session.close", mode="graceful", event_id="first")
         await conn.send(type="context.cancel", context_id="a")
         await conn.send(type="text.append", context_id="late", text="Too late.")
+        await conn.send(type="session.close", mode="graceful", event_id="again")
         await conn.send(type="session.close", mode="abort")
         events = await conn.until(lambda e: e["type"] == "session.closed")
         with pytest.raises(ConnectionClosed) as closed:
@@ -673,7 +674,9 @@ def test_a_graceful_close_can_still_be_cut_short(server):
     ends = {e["context_id"]: e["type"] for e in events if e["type"] in ("context.cancelled", "context.done")}
     assert ends.get("a") == "context.cancelled" and "b" in ends and code == 1000, events  # b: or done before it
     late = [e for e in events if e["type"] == "error"]
-    assert [(e["code"], e.get("context_id")) for e in late] == [("invalid_message", "late")]
+    assert [(e["code"], e.get("context_id"), e.get("event_id")) for e in late] == [
+        ("invalid_message", "late", None), ("invalid_message", None, "again")]  # a second graceful close too
+    assert events[-1]["event_id"] == "first"  # the one session.closed answers the close that began it
 
 
 def test_same_seed_same_audio_however_the_text_was_split(server):

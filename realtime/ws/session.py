@@ -327,10 +327,14 @@ class Session:
                                     event_id=message.get("event_id")), urgent=True)
 
     def _on_session_close(self, message: dict[str, Any]) -> None:
-        """Graceful: the open contexts finish, then the close; abort (also during a graceful close): they stop."""
+        """Graceful: the open contexts finish, then the close; abort (also during a graceful close): they stop. A
+        second graceful close is refused like any message after the first: its `session.closed` answers the first."""
         if message.get("mode", "graceful") == "abort":
             self.contexts.cancel_all("client")
-        elif not self.closing:
+        elif self.closing:
+            raise ProtocolError("invalid_message", "the session is already closing; session.close{mode: \"abort\"} "
+                                                   "stops what it is finishing")
+        else:
             self.contexts.end_all()
         if not self.closing:
             self.closing = True
