@@ -158,6 +158,21 @@ def test_a_sample_rate_query_that_is_not_ascii_digits_is_refused(server, rate):
     run(go())
 
 
+@pytest.mark.parametrize("field, value", [("sample_rate", 24000.5), ("frame_ms", 2.5), ("bitrate", 6000.7)])
+def test_an_audio_field_that_is_a_fraction_is_refused_as_not_whole(server, field, value):
+    """An integer field given a fraction is refused saying so, with the value (it is a number, just not a whole
+    one); the session keeps its audio format."""
+    async def go():
+        conn = await session(server)
+        await conn.send(type="session.start", audio={"encoding": "opus", field: value})
+        events = await conn.until(lambda e: e["type"] == "session.started")
+        (error,) = [e for e in events if e["type"] == "error"]
+        assert error["code"] == "invalid_config" and f"audio.{field} must be a whole number" in error["message"]
+        assert str(value) in error["message"] and events[-1]["audio"] == conn.started["audio"]
+        await conn.ws.close()
+    run(go())
+
+
 def test_twilio_preset_sends_mulaw_json_frames_of_160_bytes(server):
     async def go():
         conn = await session(server, "?preset=twilio")

@@ -480,9 +480,11 @@ def _audio(current: AudioFormat, fields: dict[str, Any]) -> AudioFormat:
     for name, value in values.items():
         wanted = str if name == "encoding" else int
         if isinstance(value, bool) or not isinstance(value, wanted):
-            if wanted is int and isinstance(value, float) and value.is_integer():
-                values[name] = int(value)
-                continue
+            if wanted is int and isinstance(value, float):
+                if value.is_integer():
+                    values[name] = int(value)
+                    continue
+                raise ProtocolError("invalid_config", f"audio.{name} must be a whole number, not {value!r}")
             raise ProtocolError("invalid_config", f"audio.{name} must be {_TYPE_NAMES[wanted]}")
     try:
         return AudioFormat(**values).check()
@@ -536,7 +538,9 @@ def query_fields(params: dict[str, str]) -> tuple[dict[str, Any], list[ProtocolE
         if rate.isascii() and rate.isdigit() and len(rate) <= MAX_INTEGER_DIGITS:
             audio["sample_rate"] = int(rate)
         else:
-            errors.append(ProtocolError("invalid_config", f"sample_rate must be an integer, not {rate[:20]!r}"))
+            shown = repr(rate[:20]) + (f" ({len(rate)} characters)" if len(rate) > 20 else "")
+            errors.append(ProtocolError("invalid_config", f"sample_rate must be a whole number of Hz in ASCII digits, "
+                                                          f"not {shown}"))
     if audio:
         fields["audio"] = audio
     return fields, errors
