@@ -47,11 +47,14 @@ async def stream_chat(client: AsyncOpenAI, config: LLMConfig, messages: list[dic
     try:
         stream = await client.chat.completions.create(model=config.model, messages=system + messages, stream=True,
                                                       extra_headers=no_key)
+        held = ""  # the first half of a surrogate pair whose second half is in the next event
         async with stream:
             async for chunk in stream:
                 piece = _text(chunk)
                 if piece:
-                    yield piece
+                    piece, held = _whole_characters(held + piece)
+                    if piece:
+                        yield piece
     except OpenAIError as failure:
         raise LLMError(f"the LLM at {config.base_url} failed: {type(failure).__name__}: {failure}") from None
     except ValueError as failure:  # an event that is not JSON
@@ -61,6 +64,19 @@ async def stream_chat(client: AsyncOpenAI, config: LLMConfig, messages: list[dic
 def _text(chunk: ChatCompletionChunk) -> str | None:
     """The text of one chunk (None for a chunk without choices: usage, keep-alive)."""
     try:
-        return chunk.choices[0].delta.content if chunk.choices else None
+        content = chunk.choices[0].delta.content if chunk.choices else None
     except (AttributeError, TypeError, IndexError):  # the SDK builds chunks leniently: a foreign shape gets here
         raise LLMError(f"the LLM sent an event that is not a chat completion chunk: {str(chunk)[:120]}") from None
+    if content is not None and not isinstance(content, str):
+        raise LLMError(f"the LLM sent content that is not text: {str(content)[:120]}")
+    return content
+
+
+def _whole_characters(text: str) -> tuple[str, str]:
+    """(the text in whole characters, a high surrogate held for the next piece). An LLM whose JSON escapes split a
+    character outside the BMP (an emoji) across two events sends its surrogate halves apart: they are joined here;
+    a surrogate that has no other half becomes U+FFFD, so that one broken character does not end the turn."""
+    held = ""
+    if text and "\ud800" <= text[-1] <= "\udbff":
+        text, held = text[:-1], text[-1]
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace"), held

@@ -33,7 +33,8 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="websockets.legacy is deprecated")
     from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
     from websockets.datastructures import Headers
-    from websockets.exceptions import AbortHandshake, InvalidHandshake, InvalidUpgrade, ProtocolError
+    from websockets.exceptions import InvalidHandshake, InvalidUpgrade, ProtocolError
+    from websockets.legacy.exceptions import AbortHandshake
     from websockets.frames import DATA_OPCODES, Frame, Opcode
     from websockets.legacy.protocol import MAX_FRAGMENTS, TooManyFragments
     from websockets.protocol import State

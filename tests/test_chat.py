@@ -54,6 +54,31 @@ async def ask(chat, session_id: str, request_id: str, context_id: str, content: 
                                 **fields}))
 
 
+@pytest.mark.parametrize("reply, spoken, reason", [
+    (["Look ", "\ud83d", "\ude00", " there."], "Look \U0001F600 there.", "stop"),  # an emoji's halves apart
+    (["Odd ", "\ude00", " half."], "Odd \ufffd half.", "stop"),  # a half with no other: a replacement character
+    (["Hi ", 5], "Hi ", "error"),  # content that is not text: llm_error, after speaking what came
+])
+def test_an_llm_that_splits_a_character_or_sends_no_text_is_handled(server, llm, reply, spoken, reason):
+    llm.reply = reply
+    try:
+        async def go():
+            tts, session_id, chat, _ = await open_pair(server)
+            await ask(chat, session_id, "r", "c")
+            events = await until(chat, lambda e: e["type"] == "chat.done")
+            assert "".join(e["text"] for e in events if e["type"] == "chat.delta") == spoken
+            assert events[-1]["reason"] == reason and events[-1]["text"] == spoken
+            errors = [e["code"] for e in events if e["type"] == "error"]
+            assert errors == (["llm_error"] if reason == "error" else [])
+            done = (await until(tts, lambda e: e["type"] == "context.done"))[-1]
+            assert done["metrics"]["text_chars"] == len(spoken)  # spoken as it came, nothing refused
+            await tts.close()
+            await chat.close()
+        asyncio.run(go())
+    finally:
+        llm.reply = REPLY
+
+
 @pytest.fixture
 def long_reply(llm):
     llm.reply = LONG_REPLY
