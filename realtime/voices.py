@@ -170,10 +170,17 @@ class VoiceCatalog:
         return {"voices": voices, "default": self.default,
                 "openai_voices": {name: voice or self.default for name, voice in self.openai_voices.items()}}
 
-    def check_voice(self, voice_id: str) -> None:
-        """A session's default voice must exist (PROTOCOL.md: a bad session.start field is `invalid_config`)."""
+    def check_voice(self, voice_id: str) -> str:
+        """A session's default voice must exist (PROTOCOL.md: a bad session.start field is `invalid_config`); its id
+        as the catalog names it."""
         if not self.has(voice_id):
             raise ProtocolError("invalid_config", self._unknown(voice_id))
+        return self.canonical(voice_id)
+
+    def canonical(self, voice_id: str) -> str:
+        """The id as the catalog names it, which the server echoes: a CustomVoice model's speakers are matched in
+        any case (`SERENA` is `serena`); other ids are case-sensitive."""
+        return voice_id if voice_id in self._stored else self._key(voice_id)
 
     def check_language(self, language: str) -> None:
         """A session's default language must exist (`invalid_config`, as for a voice)."""

@@ -173,6 +173,21 @@ def test_an_audio_field_that_is_a_fraction_is_refused_as_not_whole(server, field
     run(go())
 
 
+def test_a_speaker_named_in_another_case_is_echoed_as_the_model_names_it(server):
+    """A CustomVoice model's speakers match in any case; session.started and context.started name the voice as the
+    model does (it was echoed as sent)."""
+    async def go():
+        conn = await session(server, "?voice=RYAN")
+        assert conn.started["voice"] == "ryan"
+        await conn.send(type="session.start", voice="Serena")
+        assert (await conn.until(lambda e: e["type"] == "session.started"))[-1]["voice"] == "serena"
+        await conn.send(type="text.append", context_id="c", text="Hello.", voice="VIVIAN")
+        assert (await conn.until(lambda e: e["type"] == "context.started"))[-1]["voice"] == "vivian"
+        await conn.send(type="context.cancel", context_id="c")
+        await conn.ws.close()
+    run(go())
+
+
 def test_twilio_preset_sends_mulaw_json_frames_of_160_bytes(server):
     async def go():
         conn = await session(server, "?preset=twilio")

@@ -360,7 +360,7 @@ def _not_finite(value: Any) -> bool:
 class SessionChecks(Protocol):
     """What the served model accepts; the gateway's voice catalog answers (raises ProtocolError when not)."""
 
-    def check_voice(self, voice: str) -> None: ...
+    def check_voice(self, voice: str) -> str: ...
 
     def check_language(self, language: str) -> None: ...
 
@@ -452,8 +452,8 @@ def _session_string(name: str, value: Any, checks: SessionChecks | None) -> str:
         raise ProtocolError("text_too_long" if name == "instructions" else "invalid_config",
                             f"{name} takes at most {limit} characters")
     if checks is not None and name == "voice":
-        checks.check_voice(value)
-    elif checks is not None and name == "language":
+        return checks.check_voice(value)  # as the model names it
+    if checks is not None and name == "language":
         checks.check_language(value)
     return value
 

@@ -88,7 +88,7 @@ class ContextRegistry:
         self.open[context_id] = context
         self.gateway.metrics.contexts_active.inc()
         self.outbox.put_event(event("context.started", context_id=context_id, stream_id=framer.stream_id,
-                                    voice=voice_id, event_id=message.get("event_id")))
+                                    voice=self.gateway.voices.canonical(voice_id), event_id=message.get("event_id")))
         return context
 
     def _new_stream_id(self) -> int:
