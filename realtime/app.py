@@ -159,6 +159,12 @@ def create_app(gateway: Gateway) -> Starlette:
     async def demo_page(request: Request) -> Response:
         return FileResponse(WEB_DIR / "index.html")
 
+    async def upgrade_required(request: Request) -> Response:
+        """A plain HTTP request to a WebSocket endpoint (it matched no route: a 404 said the path does not exist)."""
+        failure = HTTPFailure(426, "invalid_message", f"{request.url.path} is a WebSocket endpoint: open it with a "
+                                                      "WebSocket client (Upgrade: websocket)")
+        return JSONResponse(failure.body(), failure.status, headers={"Upgrade": "websocket"})
+
     routes = [
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
@@ -167,6 +173,7 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/lexicons", lexicons, methods=["GET", "POST"]),
         Route("/v1/lexicons/{name}", lexicon, methods=["GET", "DELETE"]),
         WebSocketRoute("/v1/tts/stream", tts_socket), WebSocketRoute("/v1/chat", chat),
+        Route("/v1/tts/stream", upgrade_required), Route("/v1/chat", upgrade_required),
     ]
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
         routes += [Route("/", demo_page),

@@ -733,6 +733,9 @@ def test_http_speech_voices_health_ready_metrics(server):
     status, page = server.get("/")
     assert status == 200 and b"static/js/app.js" in page and server.get("/static/js/app.js")[0] == 200
     assert server.get("/v1/audio/speech")[0] == 405 and server.get("/nothing-here")[0] == 404
+    for socket_path in ("/v1/tts/stream", "/v1/chat"):  # a WebSocket endpoint asked over plain HTTP: 426, not 404
+        status, body = server.get(socket_path)
+        assert status == 426 and "WebSocket endpoint" in json.loads(body)["error"]["message"]
     status, headers, wav = server.post("/v1/audio/speech", {"model": "tts-1", "input": "Hello.", "voice": "ryan"},
                                        token)
     audio, rate = sf.read(io.BytesIO(wav))
