@@ -48,13 +48,18 @@ async def stream_chat(client: AsyncOpenAI, config: LLMConfig, messages: list[dic
         stream = await client.chat.completions.create(model=config.model, messages=system + messages, stream=True,
                                                       extra_headers=no_key)
         held = ""  # the first half of a surrogate pair whose second half is in the next event
+        chunks = 0
         async with stream:
             async for chunk in stream:
+                chunks += 1
                 piece = _text(chunk)
                 if piece:
                     piece, held = _whole_characters(held + piece)
                     if piece:
                         yield piece
+        if not chunks:  # a 200 that was no event stream (a web page, a proxy's answer): not an empty reply
+            raise LLMError(f"the LLM at {config.base_url} answered with no chat completion events: is it an "
+                           "OpenAI-compatible API?")
     except OpenAIError as failure:
         raise LLMError(f"the LLM at {config.base_url} failed: {type(failure).__name__}: {failure}") from None
     except ValueError as failure:  # an event that is not JSON

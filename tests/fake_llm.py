@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from tests.gateway_server import serve_in_thread
@@ -31,6 +31,7 @@ class FakeLLM:
     token_delay_s: float
     calls: list[Call] = field(default_factory=list)
     stall_after: int | None = None  # tokens sent before the reply stops coming (the connection stays open)
+    web_page: bool = False  # answer 200 with an HTML page, as a wrong --llm-url may
 
 
 def create_app(llm: FakeLLM) -> Starlette:
@@ -40,6 +41,8 @@ def create_app(llm: FakeLLM) -> Starlette:
             return JSONResponse({"error": {"message": "stream and messages are required"}}, status_code=400)
         call = Call(body, request.headers.get("authorization"))
         llm.calls.append(call)
+        if llm.web_page:
+            return HTMLResponse("<html><body>Welcome</body></html>")
 
         async def events():
             try:

@@ -79,6 +79,24 @@ def test_an_llm_that_splits_a_character_or_sends_no_text_is_handled(server, llm,
         llm.reply = REPLY
 
 
+def test_an_llm_address_that_answers_a_web_page_is_an_llm_error(server, llm):
+    """A 200 that is no event stream (a wrong --llm-url reaching a web page) is an llm_error, not an empty reply."""
+    llm.web_page = True
+    try:
+        async def go():
+            tts, session_id, chat, _ = await open_pair(server)
+            await ask(chat, session_id, "r", "c")
+            events = await until(chat, lambda e: e["type"] == "chat.done")
+            (error,) = [e for e in events if e["type"] == "error"]
+            assert error["code"] == "llm_error" and "no chat completion events" in error["message"]
+            assert events[-1] == {"type": "chat.done", "id": "r", "text": "", "reason": "error"}
+            await tts.close()
+            await chat.close()
+        asyncio.run(go())
+    finally:
+        llm.web_page = False
+
+
 @pytest.fixture
 def long_reply(llm):
     llm.reply = LONG_REPLY
