@@ -48,6 +48,7 @@ def _web_dir() -> Path | None:
 
 
 WEB_DIR = _web_dir()
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")  # a WebSocket path: 426 to each
 
 
 def create_app(gateway: Gateway) -> Starlette:
@@ -173,7 +174,7 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/lexicons", lexicons, methods=["GET", "POST"]),
         Route("/v1/lexicons/{name}", lexicon, methods=["GET", "DELETE"]),
         WebSocketRoute("/v1/tts/stream", tts_socket), WebSocketRoute("/v1/chat", chat),
-        Route("/v1/tts/stream", upgrade_required), Route("/v1/chat", upgrade_required),
+        *(Route(path, upgrade_required, methods=HTTP_METHODS) for path in ("/v1/tts/stream", "/v1/chat")),
     ]
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
         routes += [Route("/", demo_page),

@@ -57,6 +57,8 @@ async def stream_chat(client: AsyncOpenAI, config: LLMConfig, messages: list[dic
                     piece, held = _whole_characters(held + piece)
                     if piece:
                         yield piece
+        if held:  # the reply ended inside a character
+            yield "\ufffd"
         if not chunks:  # a 200 that was no event stream (a web page, a proxy's answer): not an empty reply
             raise LLMError(f"the LLM at {config.base_url} answered with no chat completion events: is it an "
                            "OpenAI-compatible API?")

@@ -57,6 +57,7 @@ async def ask(chat, session_id: str, request_id: str, context_id: str, content: 
 @pytest.mark.parametrize("reply, spoken, reason", [
     (["Look ", "\ud83d", "\ude00", " there."], "Look \U0001F600 there.", "stop"),  # an emoji's halves apart
     (["Odd ", "\ude00", " half."], "Odd \ufffd half.", "stop"),  # a half with no other: a replacement character
+    (["Cut ", "\ud83d"], "Cut \ufffd", "stop"),  # the reply ends inside a character
     (["Hi ", 5], "Hi ", "error"),  # content that is not text: llm_error, after speaking what came
 ])
 def test_an_llm_that_splits_a_character_or_sends_no_text_is_handled(server, llm, reply, spoken, reason):

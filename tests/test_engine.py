@@ -298,7 +298,7 @@ def test_a_waiting_request_without_a_free_slot_is_no_work(tts):
 @pytest.mark.parametrize("paused_at", [0, 3])
 def test_a_paused_request_runs_no_frame_keeps_its_slot_and_speaks_the_same_when_resumed(tts, paused_at):
     """A request whose client reads too slowly is paused: it runs no frame (the step loop has no work for it alone),
-    keeps its slot, its audio made before still arrives; resumed, it goes on to the same audio as a request that never
+    keeps its slot (one paused before it started waits without taking one), its audio made before still arrives; resumed, it goes on to the same audio as a request that never
     paused (seeded, fp32: the same codes; the frames made before the pause are decoded in chunks of their own, so the
     waveform agrees to float rounding), while the request beside it runs on."""
     probe, other = requests(tts, False, frames=[14, 10])
@@ -324,7 +324,8 @@ def test_a_paused_request_runs_no_frame_keeps_its_slot_and_speaks_the_same_when_
             break
         step()
     assert other_id in done and probe_id not in done and not engine.has_work()
-    assert engine.scheduler.find(probe_id).frames == frames and probe_id in engine.running  # no frame, same slot
+    assert engine.scheduler.find(probe_id).frames == frames  # no frame ran
+    assert (probe_id in engine.running) == (paused_at > 0)  # its slot kept; none taken by one not started
     engine.pause(probe_id, False)
     for _ in range(60):
         if engine.idle():

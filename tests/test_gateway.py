@@ -736,6 +736,7 @@ def test_http_speech_voices_health_ready_metrics(server):
     for socket_path in ("/v1/tts/stream", "/v1/chat"):  # a WebSocket endpoint asked over plain HTTP: 426, not 404
         status, body = server.get(socket_path)
         assert status == 426 and "WebSocket endpoint" in json.loads(body)["error"]["message"]
+        assert server.post(socket_path, {}, token)[0] == 426
     status, headers, wav = server.post("/v1/audio/speech", {"model": "tts-1", "input": "Hello.", "voice": "ryan"},
                                        token)
     audio, rate = sf.read(io.BytesIO(wav))

@@ -77,7 +77,7 @@ def test_synthesis_pauses_while_the_client_does_not_read_and_nothing_is_lost_whe
     context whose client has stopped reading (its request keeps its slot), and once the client reads again the
     context speaks on to its end: every sample of audio_ms arrives, none twice, and the session stays open."""
     monkeypatch.setattr(server_module, "PING_INTERVAL_S", 120.0)
-    send_queue_ms = 2000  # the hard limit, 4 send queues of silence from the client, is 8 s away
+    send_queue_ms = 4000  # the hard limit, 4 send queues of no reading (or of pause), is 16 s away
     with running_server(Limits(send_queue_ms=send_queue_ms)) as server:
         async def go():
             sock = socket.socket()
@@ -88,7 +88,7 @@ def test_synthesis_pauses_while_the_client_does_not_read_and_nothing_is_lost_whe
             await ws.recv()  # session.started
             (session,) = server.gateway.sessions
             port = sock.getsockname()[1]  # the server's end of this socket buffers little: its send queue fills soon
-            (ours,) = [c for c in server.server.server_state.connections
+            (ours,) = [c for c in list(server.server.server_state.connections)
                        if c.transport.get_extra_info("peername")[1] == port]
             ours.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             ws.transport.pause_reading()

@@ -252,8 +252,9 @@ def test_a_refusal_the_text_pause_releases_answers_the_last_text(small_server, m
 
 
 def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
-    """A context its lexicon took past the limit makes no more audio: a flush or mark after the refusal would never be
-    answered (the client waited for it), so each gets context_closed; its end still gets its context.done."""
+    """A context its lexicon took past the limit makes no more audio: a flush or mark (or an append with flush) after
+    the refusal would never be answered (the client waited for it), so each gets context_closed; its end still gets
+    its context.done."""
     async def go():
         ws = await raw(small_server)
         await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "a", "replacement": "b" * 200}]}))
@@ -262,13 +263,16 @@ def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
                                   "event_id": "past"}))
         await ws.send(json.dumps({"type": "mark", "context_id": "c", "name": "m", "event_id": "mark"}))
         await ws.send(json.dumps({"type": "context.flush", "context_id": "c", "event_id": "flush"}))
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "more", "flush": True,
+                                  "event_id": "append-flush"}))
         await ws.send(json.dumps({"type": "context.end", "context_id": "c", "event_id": "end"}))
         events = await until(ws, lambda e: e["type"] == "context.done")
         await ws.close()
         return [(e["code"], e.get("event_id")) for e in events if e["type"] == "error"], events[-1].get("event_id")
 
     errors, done_event_id = asyncio.run(go())
-    assert sorted(errors) == [("context_closed", "flush"), ("context_closed", "mark"), ("text_too_long", "past")]
+    assert sorted(errors) == [("context_closed", "append-flush"), ("context_closed", "flush"),
+                              ("context_closed", "mark"), ("text_too_long", "past")]
     assert done_event_id == "end"
 
 

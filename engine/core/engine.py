@@ -231,10 +231,15 @@ class Engine:
         """Pause or resume a request whose listener cannot take more audio now (a client that reads slower than
         real time): paused, it runs no frame and keeps its slot, as a request whose text has not arrived holds; the
         frames it made are still decoded and delivered. Its output is the same as if it had never paused. A request
-        that has finished or was cancelled is left as it is."""
+        that has finished or was cancelled is left as it is. The time it spent paused moves its first audio later
+        (the lead's clock): its client took no audio meanwhile, and would otherwise seem to have run dry."""
         seq = self.scheduler.find(request_id)
-        if seq is not None:
-            seq.paused = paused
+        if seq is None or seq.paused == paused:
+            return
+        now = self.scheduler.clock()
+        if not paused and seq.first_audio_at is not None and seq.paused_at is not None:
+            seq.first_audio_at += now - seq.paused_at
+        seq.paused, seq.paused_at = paused, now if paused else None
 
     def cancel(self, request_id: int) -> bool:
         """Stop a request now: its slot is free for the next step and it produces no further event."""

@@ -29,7 +29,8 @@ class Sequence:
     error: VoxgateError | None = None
     cancelled: bool = False
     paused: bool = False  # its listener takes no more audio for now (`Engine.pause`)
-    first_audio_at: float | None = None
+    paused_at: float | None = None
+    first_audio_at: float | None = None  # when its first frame was made, later by the time it spent paused
 
     def text_id(self) -> int | None:
         """The text token of the next frame; None holds the request (its text has not arrived)."""
@@ -41,7 +42,10 @@ class Sequence:
 
     def ready(self) -> bool:
         """Its prefill has its text: the first token, or for voice cloning enough tokens to fill the reference's
-        frames (its text track is laid over them), or the end of the input."""
+        frames (its text track is laid over them), or the end of the input. A paused request is not admitted: it
+        would hold a slot and run nothing."""
+        if self.paused:
+            return False
         feed = self.feed
         if feed is None or self.prompt is not None or feed.ended:
             return True

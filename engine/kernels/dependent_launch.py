@@ -1,12 +1,13 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the frame step's chain of small kernels.
 
 At one row a frame step is ~1,100 kernels in sequence of a few microseconds each, and even in a CUDA graph the GPU
-drains one grid before it starts the next. A kernel launched with PDL starts while the one before it finishes: its
-programs fetch what no earlier kernel writes (a matmul's first weight tile), then wait (`gdc_wait`) until the
-kernel before has completed and its writes are visible, and from then on let the next kernel start. Every kernel of
-the chain waits before it reads or writes activations, so the order of their effects is the stream's order; a kernel
-launched without PDL (cuBLAS, PyTorch) waits for everything before it, as always. Set `VOXGATE_DEPENDENT_LAUNCH=0`
-to launch as before (the benchmark's before/after). The interpreter and GPUs before Hopper launch plainly.
+drains one grid before it starts the next. A kernel launched with PDL may start while the one before it finishes: its
+programs wait first (`gdc_wait`) until that kernel has completed and its writes are visible, and from then on let
+the next kernel start. Every kernel of the chain waits before it reads or writes anything, so the order of their
+effects is the stream's order; a kernel launched without PDL (cuBLAS, PyTorch) waits for everything before it, as
+always. (Reading a matmul's first weight tile before the wait was measured no faster, and slower where PDL is off:
+docs/benchmarks.md.) Set `VOXGATE_DEPENDENT_LAUNCH=0` to launch as before (the benchmark's before/after). Triton's
+interpreter, ROCm and GPUs before Hopper launch plainly.
 """
 from __future__ import annotations
 
@@ -27,14 +28,17 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_or_later(index: int) -> bool:
+def _launches_dependently(index: int, interpreted: bool, switched_off: bool) -> bool:
+    if interpreted or switched_off or torch.version.hip is not None:
+        return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (pass it as both the kernel's `PDL` and `launch_pdl`)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda":
         return False
-    if os.environ.get("VOXGATE_DEPENDENT_LAUNCH", "1") == "0":
-        return False
-    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+    interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    switched_off = os.environ.get("VOXGATE_DEPENDENT_LAUNCH", "1") == "0"
+    return _launches_dependently(device.index if device.index is not None else torch.cuda.current_device(),
+                                 interpreted, switched_off)

@@ -1,8 +1,9 @@
 """The slow-consumer policy (PROTOCOL.md): a client that reads its audio slower than it is made gets one warning and
 its synthesis pauses: once the session's send queue is full its contexts stop encoding, and once a context has
 PAUSE_AFTER_MS of audio waiting behind that (or a send queue's worth, if less) its engine request pauses, keeping its
-slot, until half of it has gone out. A client that reads nothing for as long as the hard limit's audio would play (4 send queues), or a context whose
-waiting audio passes the hard limit all the same, ends the session with a fatal error."""
+slot, until half of it has gone out. A client that reads nothing for as long as the hard limit's audio would play (4
+send queues), a pause that lasts that long (a client that takes a chunk now and then), or a context whose waiting
+audio passes the hard limit all the same, ends the session with a fatal error."""
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +35,8 @@ class SlowConsumerPolicy:
         if self.outbox.queued_ms >= self.send_queue_ms:
             self._warn()
             try:
-                await asyncio.wait_for(self.outbox.below(self.send_queue_ms), self.hard_limit_ms / 1000)
+                async with asyncio.timeout(self.hard_limit_ms / 1000):
+                    await self.outbox.below(self.send_queue_ms)
             except TimeoutError:
                 seconds = self.hard_limit_ms / 1000
                 self.abort(ProtocolError("slow_consumer", f"the client has read no audio for {seconds:g} s; closing",
@@ -42,12 +44,19 @@ class SlowConsumerPolicy:
                 await self.outbox.below(self.send_queue_ms)  # the close cancels the context
 
     def should_pause(self, waiting_ms: float) -> bool:
-        """A context's audio waiting to be encoded has reached `pause_ms`: its synthesis pauses."""
-        return waiting_ms >= self.pause_ms
+        """The send queue is full and a context's audio waiting behind it has reached `pause_ms`: its synthesis
+        pauses (a slow encoder alone never pauses it)."""
+        return waiting_ms >= self.pause_ms and self.outbox.queued_ms >= self.send_queue_ms
 
     def may_resume(self, waiting_ms: float) -> bool:
         """Half of it has gone out since: synthesis resumes (a margin, so that it does not flip every chunk)."""
         return waiting_ms < self.pause_ms / 2
+
+    def paused_too_long(self) -> None:
+        """A context's synthesis stayed paused for the hard limit's time: the client takes too little to play."""
+        self._warn()
+        self.abort(ProtocolError("slow_consumer", f"the client took too little audio for {self.hard_limit_ms / 1000:g}"
+                                                  " s; closing", fatal=True))
 
     def check_backlog(self, waiting_ms: float) -> None:
         """A context's synthesized audio not yet encoded: past the hard limit the client does not read at all."""

@@ -46,6 +46,7 @@ class SessionContext:
         self.timestamps = timestamps
         self._waiting_ms = 0.0  # synthesized audio not yet encoded (the client reads too slowly)
         self._model_samples = 0  # synthesized samples taken in order (those waiting for a slow client included)
+        self._paused_too_long: asyncio.TimerHandle | None = None  # while synthesis is paused for a slow client
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # --- text in -------------------------------------------------------------------------------------------------
@@ -111,9 +112,11 @@ class SessionContext:
                     break
         except Exception as failure:  # a bug here must still end the context: an error, then context.done
             log.exception("context failed")
+            self.speech.cancel()  # its engine request (perhaps paused) gives its slot back
             self._end_failed(failure)
         finally:
             collector.cancel()
+            self._resumed()
             self.framer.close()
         self.on_finished(self)
 
@@ -123,8 +126,21 @@ class SessionContext:
                 self._waiting_ms += len(item.samples) / MODEL_SAMPLE_RATE * 1000
                 self.slow.check_backlog(self._waiting_ms)
                 if self.slow.should_pause(self._waiting_ms):
-                    self.speech.pause(True)
+                    self._pause()
             backlog.put_nowait(item)
+
+    def _pause(self) -> None:
+        """Pause synthesis while the client takes too little audio; a pause that outlasts the hard limit's time ends
+        the session (a client that reads a chunk now and then would hold the engine slot for good)."""
+        if self._paused_too_long is None:
+            self._paused_too_long = asyncio.get_running_loop().call_later(self.slow.hard_limit_ms / 1000,
+                                                                           self.slow.paused_too_long)
+        self.speech.pause(True)
+
+    def _resumed(self) -> None:
+        if self._paused_too_long is not None:
+            self._paused_too_long.cancel()
+            self._paused_too_long = None
 
     def _time_words(self, text: ContextText) -> None:
         audio_end_s = self._model_samples / MODEL_SAMPLE_RATE + self.framer.padding_s
@@ -140,6 +156,7 @@ class SessionContext:
         frames = await self.framer.encode(audio.samples)
         self._waiting_ms -= len(audio.samples) / MODEL_SAMPLE_RATE * 1000
         if self.slow.may_resume(self._waiting_ms):
+            self._resumed()
             self.speech.pause(False)
         if not self.cancelled:
             self._queue_frames(frames, last=False)

@@ -275,6 +275,8 @@ class Session:
         self._refuse_if_ended(context)
         if context.text_chars + len(text) > self.limits.max_text_chars:
             self._too_long(context_id)
+        if message.get("flush"):  # before the append: a refusal this append causes is its own answer
+            self._refuse_if_refused(context)
         context.append(text, message.get("event_id"))
         if message.get("flush"):
             context.flush(message.get("event_id"))
@@ -301,10 +303,14 @@ class Session:
         """The context of a flush or mark, which is answered after the audio of the text before it: a context whose
         text passed max_text_chars (with its lexicon's replacements) makes no more audio, so it would never be."""
         context = self._unended(message)
+        self._refuse_if_refused(context)
+        return context
+
+    @staticmethod
+    def _refuse_if_refused(context: SessionContext) -> None:
         if context.speech.refused:
             raise ProtocolError("context_closed", f"context {context.context_id!r} has ended: its text passed "
                                                   "max_text_chars; use a new context_id", context_id=context.context_id)
-        return context
 
     @staticmethod
     def _refuse_if_ended(context: SessionContext) -> None:
