@@ -63,39 +63,37 @@ async def ask(chat, session_id: str, request_id: str, context_id: str, content: 
 def test_an_llm_that_splits_a_character_or_sends_no_text_is_handled(server, llm, reply, spoken, reason):
     llm.reply = reply
     try:
-        async def go():
-            tts, session_id, chat, _ = await open_pair(server)
-            await ask(chat, session_id, "r", "c")
-            events = await until(chat, lambda e: e["type"] == "chat.done")
-            assert "".join(e["text"] for e in events if e["type"] == "chat.delta") == spoken
-            assert events[-1]["reason"] == reason and events[-1]["text"] == spoken
-            errors = [e["code"] for e in events if e["type"] == "error"]
-            assert errors == (["llm_error"] if reason == "error" else [])
-            done = (await until(tts, lambda e: e["type"] == "context.done"))[-1]
-            assert done["metrics"]["text_chars"] == len(spoken)  # spoken as it came, nothing refused
-            await tts.close()
-            await chat.close()
-        asyncio.run(go())
+        events, done = asyncio.run(one_turn(server))
     finally:
         llm.reply = REPLY
+    assert "".join(e["text"] for e in events if e["type"] == "chat.delta") == spoken
+    assert events[-1]["reason"] == reason and events[-1]["text"] == spoken
+    assert [e["code"] for e in events if e["type"] == "error"] == (["llm_error"] if reason == "error" else [])
+    assert done["metrics"]["text_chars"] == len(spoken)  # spoken as it came, nothing refused
 
 
 def test_an_llm_address_that_answers_a_web_page_is_an_llm_error(server, llm):
     """A 200 that is no event stream (a wrong --llm-url reaching a web page) is an llm_error, not an empty reply."""
     llm.web_page = True
     try:
-        async def go():
-            tts, session_id, chat, _ = await open_pair(server)
-            await ask(chat, session_id, "r", "c")
-            events = await until(chat, lambda e: e["type"] == "chat.done")
-            (error,) = [e for e in events if e["type"] == "error"]
-            assert error["code"] == "llm_error" and "no chat completion events" in error["message"]
-            assert events[-1] == {"type": "chat.done", "id": "r", "text": "", "reason": "error"}
-            await tts.close()
-            await chat.close()
-        asyncio.run(go())
+        events, _ = asyncio.run(one_turn(server, spoken=False))
     finally:
         llm.web_page = False
+    (error,) = [e for e in events if e["type"] == "error"]
+    assert error["code"] == "llm_error" and "no chat completion events" in error["message"]
+    assert events[-1] == {"type": "chat.done", "id": "r", "text": "", "reason": "error"}
+
+
+async def one_turn(server, spoken: bool = True) -> tuple[list[dict], dict | None]:
+    """One chat turn on a fresh pair of sockets: the chat socket's events to its chat.done, and (`spoken`: the reply
+    had text, so a context was opened) its context.done."""
+    tts, session_id, chat, _ = await open_pair(server)
+    await ask(chat, session_id, "r", "c")
+    events = await until(chat, lambda e: e["type"] == "chat.done")
+    done = (await until(tts, lambda e: e["type"] == "context.done"))[-1] if spoken else None
+    await tts.close()
+    await chat.close()
+    return events, done
 
 
 @pytest.fixture

@@ -27,15 +27,7 @@ def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch, p
     monkeypatch.setattr(server_module, "PING_INTERVAL_S", 120.0)
     with running_server(Limits(send_queue_ms=SEND_QUEUE_MS)) as server:
         async def go():
-            # a tiny receive window and read queue: the socket stops taking frames almost at once
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", int(server.http.rsplit(":", 1)[1])))
-            # no keepalive of the library's: its pongs could not arrive (this client reads nothing), so it would
-            # close the socket itself; the pinging client sends its pings by hand and never waits for a pong
-            ws = await connect(server.ws + "?encoding=pcm_s16le&sample_rate=48000", sock=sock, max_queue=1,
-                               max_size=None, ping_interval=None)
-            await ws.recv()  # session.started
+            ws, _ = await _small_window_session(server, 48000)
             ws.transport.pause_reading()  # the client reads nothing from here on, whatever its library buffers
             for i in range(4):
                 await ws.send(json.dumps({"type": "text.append", "context_id": str(i), "flush": True,
@@ -64,6 +56,19 @@ def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch, p
         asyncio.run(go())
 
 
+async def _small_window_session(server, sample_rate: int):
+    """A PCM session on a socket with a tiny receive window and read queue, which stops taking frames almost at
+    once when its client stops reading; (the client, its socket), after session.started. No keepalive of the
+    library's: its pongs could not arrive while the client reads nothing, so it would close the socket itself."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(server.http.rsplit(":", 1)[1])))
+    ws = await connect(server.ws + f"?encoding=pcm_s16le&sample_rate={sample_rate}", sock=sock, max_queue=1,
+                       max_size=None, ping_interval=None)
+    await ws.recv()  # session.started
+    return ws, sock
+
+
 async def _ping_forever(ws) -> None:
     """Pings that the server answers while its sends to this client are blocked (the pongs are never awaited)."""
     with contextlib.suppress(asyncio.CancelledError):
@@ -80,12 +85,7 @@ def test_synthesis_pauses_while_the_client_does_not_read_and_nothing_is_lost_whe
     send_queue_ms = 4000  # the hard limit, 4 send queues of no reading (or of pause), is 16 s away
     with running_server(Limits(send_queue_ms=send_queue_ms)) as server:
         async def go():
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", int(server.http.rsplit(":", 1)[1])))
-            ws = await connect(server.ws + "?encoding=pcm_s16le&sample_rate=24000", sock=sock, max_queue=1,
-                               max_size=None, ping_interval=None)
-            await ws.recv()  # session.started
+            ws, sock = await _small_window_session(server, 24000)
             (session,) = server.gateway.sessions
             port = sock.getsockname()[1]  # the server's end of this socket buffers little: its send queue fills soon
             (ours,) = [c for c in list(server.server.server_state.connections)
