@@ -143,7 +143,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "default: lead on a GPU, fixed on the CPU")
     p.add_argument("--admission",
                    help="all (every ready request is prefilled at once) or protect (a prefill waits, at most "
-                        "0.1 s, while a running stream's buffer is thin); default: protect on a GPU, all on the CPU")
+                        "0.1 s, while a running stream's buffer is thin); default: all")
     p.add_argument("--encoder-workers", type=int,
                    help="processes that encode the sockets' audio (Opus, resampling) beside the event loop "
                         "(default: half the cores, 1 to 8)")

@@ -53,10 +53,12 @@ RESTART_TIMEOUT_S = 300.0  # for each of building and warming up a new engine
 GPU_KV_MEMORY_SHARE = 0.85
 GPU_ENGINE_RESERVE = 12 * 2 ** 30
 GPU_MAX_SLOTS = 256
-# Scheduling on a GPU: chunks sized by each stream's buffer and prefills held while a running stream's buffer is thin.
-# Under tts_bench at 40 req/s they cut the underrun requests sevenfold (docs/benchmarks.md); on the CPU, where the
-# tiny model runs slower than real time and every buffer is thin, the fixed schedule and plain admission stay.
-GPU_SCHEDULING = ("lead", "protect")
+# Scheduling on a GPU: chunks sized by each stream's buffer, every ready request admitted. `protect` (prefills held
+# while a running stream's buffer is thin) made 256 sessions opened at once wait 1.6-2.3x longer for their first audio
+# and bought no smoothness once a step's first chunks were decoded first; tts_bench at 60 req/s has no underrun with
+# either (docs/benchmarks.md, "A burst of sessions"). On the CPU, where the tiny model runs slower than real time and
+# every buffer is thin, the fixed schedule stays.
+GPU_SCHEDULING = ("lead", "all")
 # Sessions, unless --max-sessions says: one per engine slot, at least MIN_SESSIONS (the CPU's 8 slots keep 64). A
 # session speaks one context at a time in practice (it may open max_contexts, each one utterance at a time), so every
 # session can speak at once without waiting for a slot; one more would wait seconds, for a slot to free, for its

@@ -252,7 +252,7 @@ class Bench:
         eager = PaddedPrefill(served.tokens, engine.runner.last_hidden.shape[1], engine.tts.dtype,
                               engine.tts.device, served.scratch_slot, engine.runner.capacity, buckets=(), capture=False)
         out = {}
-        for count in (1, 4):
+        for count in (n for n in (1, 4, 16, 64) if n <= engine.slots):
             prompts = [self.tts.plan(self.request(8, seed).text, self.voice, language="english",
                                      layout="streaming").prompt.prefill for seed in range(count)]
             slots = list(range(count))

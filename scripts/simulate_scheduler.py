@@ -3,6 +3,9 @@ scheduler. Prints one markdown table row per (text mode, rate, setup).
 
     python scripts/simulate_scheduler.py --rates 40,60,80 --slots 512 --max-step-batch 256
     python scripts/simulate_scheduler.py --compare smoothness --rates 20,40,60,80 --duration 30
+    python scripts/simulate_scheduler.py --compare smoothness --burst 256 --slots 256
+
+`--burst N`: instead of Poisson arrivals, N voice-chat sessions opened in the same instant (LLM-streamed text only).
 
 `--compare policies` (the default): step selection with frames out as they are made. `--compare smoothness`: the
 chunk schedule {fixed, lead} x admission {all, protect}, with audio out per chunk and decoding paid per chunk.
@@ -16,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.scheduler import Scheduler  # noqa: E402
-from engine.core.simulator import Arrival, CostModel, poisson_workload, simulate, summarize  # noqa: E402
+from engine.core.simulator import Arrival, CostModel, burst_workload, poisson_workload, simulate, summarize  # noqa: E402
 
 HEADER = ("| text | rate | scheduling | requests | TTFA p50 / p95 / p99 | never underrun | audio s/s |\n"
           "|---|---|---|---|---|---|---|")
@@ -57,9 +60,14 @@ def main() -> None:
     parser.add_argument("--chunk-frames", type=int, default=4)
     parser.add_argument("--compare", choices=["policies", "smoothness"], default="policies")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--burst", type=int, metavar="N", help="N sessions opened at once instead of Poisson arrivals")
     args = parser.parse_args()
     compare = policies if args.compare == "policies" else smoothness
     print(HEADER)
+    if args.burst:
+        for label, result in compare(burst_workload(args.burst, args.seed), args):
+            print(row(True, 0, f"burst of {args.burst}, {label}", result), flush=True)
+        return
     for streaming in (False, True):
         for rate in args.rates:
             arrivals = poisson_workload(rate, args.duration, args.seed, streaming_text=streaming)

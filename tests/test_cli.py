@@ -249,8 +249,8 @@ def test_serve_scheduling_reaches_the_engine():
 
 
 def test_scheduling_defaults_fit_the_machine():
-    """Unset, a GPU serves with the lead schedule and protected admission, the CPU (the tiny model slower than real
-    time, every buffer thin) with the fixed schedule; a flag always wins."""
+    """Unset, a GPU serves with the lead schedule, the CPU (the tiny model slower than real time, every buffer thin)
+    with the fixed schedule, both admitting every ready request; a flag always wins."""
     from realtime.gateway import GPU_SCHEDULING, Gateway, GatewayOptions
 
     def scheduling(**options) -> tuple[str, str]:
@@ -258,8 +258,8 @@ def test_scheduling_defaults_fit_the_machine():
         return config.chunk_schedule, config.admission
 
     assert scheduling() == ("fixed", "all")
-    assert scheduling(device="cuda") == GPU_SCHEDULING == ("lead", "protect")
-    assert scheduling(device="cuda", chunk_schedule="fixed", admission="all") == ("fixed", "all")
+    assert scheduling(device="cuda") == GPU_SCHEDULING == ("lead", "all")
+    assert scheduling(device="cuda", chunk_schedule="fixed", admission="protect") == ("fixed", "protect")
 
 
 def test_session_limit_follows_the_engine_slots():

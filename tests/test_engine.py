@@ -173,6 +173,37 @@ def test_steps_poll_decodes_and_wait_only_for_old_ones(tts, polls):
     assert polls == 1 or any(backlog)  # late copies were really left in flight across a step
 
 
+def test_a_first_chunk_is_decoded_first_and_waited_for_without_its_steps_larger_chunks(tts):
+    """A newcomer joins running requests whose larger chunks are due in the same step: its first chunk is queued
+    before them, and the step delivers it at once while their decodes, still on their way, stay in flight."""
+    reqs = requests(tts, False, frames=[30, 30, 12])
+    engine = Engine(tts, EngineConfig(max_batch=3, capacity=256, chunk_frames=4, overlap_decoding=True))
+    overlap = engine.decoding.overlap
+    to_host = overlap.to_host
+
+    def never_lands(owners, audio):  # lands only when waited for
+        pending = to_host(owners, audio)
+        pending.ready = LateCopy(10**9)
+        return pending
+
+    overlap.to_host = never_lands
+    ids = [engine.submit(request) for request in reqs[:2]]
+    engine.step()
+    runners = [engine.running[i] for i in ids]
+    while min(seq.decoded_frames for seq in runners) < 4:  # their chunks have grown past one frame
+        engine.step()
+    while any(len(seq.pending) + 1 < engine.decoding.chunk_due(seq.decoded_frames) for seq in runners):
+        engine.step()  # the next step has both runners' chunks due
+    newcomer = engine.submit(reqs[2])
+    events = engine.step()
+    first = [e for e in events if isinstance(e, AudioChunk) and e.request_id == newcomer]
+    assert first and first[0].start_sample == 0  # the newcomer's first audio is out in its first step
+    in_flight = {seq.request_id for pending in engine.decoding.in_flight for seq, _ in pending.owners}
+    assert in_flight == set(ids)  # the runners' chunks of that step were not waited for
+    while not engine.idle():
+        engine.step()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-step-decoding", "overlapped-decoding"])
 def test_cancel_frees_the_slot_and_stops_events(tts, overlap):
     """Overlapped: a chunk of the cancelled request is still being decoded when it is cancelled, and is dropped."""

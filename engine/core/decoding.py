@@ -111,6 +111,7 @@ class Decoding:
         one, in order. A batch that raises is retried in halves down to single requests: the decoder's state is only
         written back once a decode has run, and only a request that fails alone ends."""
         due = self._due(stepped) + [s for s in held if s.pending]
+        due.sort(key=lambda seq: seq.decoded_frames > 0)  # first chunks first: a step waits for them alone
         pieces = {seq: self.decoders.pieces(len(seq.pending)) for seq in due}
         with self.overlap.context():
             for piece in range(max(map(len, pieces.values()), default=0)):
@@ -144,18 +145,25 @@ class Decoding:
         pending.step = self.queued_steps + 1
         self.in_flight.append(pending)
 
-    def first_audio_step(self) -> int:
-        """The latest queue step with a request's first chunk in flight (0: none): what a step waits for at once."""
-        return max((p.step for p in self.in_flight if any(start == 0 for _, start in p.owners)), default=0)
+    def through_step(self, step: int) -> int:
+        """How many decodes in flight (the oldest first) were queued by steps up to `step`."""
+        return sum(pending.step <= step for pending in self.in_flight)
 
-    def collect(self, finished: list[Sequence], wait_through: int) -> list[Event]:
-        """Deliver, in the order queued, the chunks queued by steps up to `wait_through` (waiting for their decode if
-        needed) and every later one whose copy has already landed (polled); then the Finished of each ended request
-        (`finished` joins those kept from before) whose audio is all out."""
+    def through_first_audio(self) -> int:
+        """How many decodes in flight (the oldest first) end with the last that holds a request's first chunk (0:
+        none): what a step waits for at once. A step queues its first chunks before its other chunks, so a
+        newcomer's first audio does not wait for the larger chunks decoded in the same step."""
+        return max((index + 1 for index, pending in enumerate(self.in_flight)
+                    if any(start == 0 for _, start in pending.owners)), default=0)
+
+    def collect(self, finished: list[Sequence], wait_for: int) -> list[Event]:
+        """Deliver, in the order queued, the first `wait_for` decodes in flight (waiting for them if needed) and
+        every later one whose copy has already landed (polled); then the Finished of each ended request (`finished`
+        joins those kept from before) whose audio is all out."""
         events: list[Event] = []
         delivered = 0
-        for pending in self.in_flight:
-            if pending.step > wait_through and not pending.landed():
+        for index, pending in enumerate(self.in_flight):
+            if index >= wait_for and not pending.landed():
                 break  # one stream: the later chunks have not landed either
             for (seq, start_sample), samples in zip(pending.owners, pending.wait()):
                 if not seq.cancelled:

@@ -50,7 +50,7 @@ class EngineConfig:
     # share's budget, so that a small GPU still gets slots
     kv_memory_reserve_bytes: int = 0
     max_waiting: int = 256
-    max_prefill_batch: int = 16
+    max_prefill_batch: int = 64  # prefills per step: a burst of new sessions (a start, a reconnect storm) waits a few steps, not tens
     first_chunk_frames: int = 1
     chunk_frames: int = 4  # the largest chunk
     frame_path: str = "torch"  # "torch" (the model's own code) | "triton" (fused kernels: the GPU's fast path)
@@ -253,14 +253,15 @@ class Engine:
         With overlapped decoding, the audio queued in one step is collected while the next steps' frames run on the
         GPU: the step polls, delivering each decode that has landed, and waits only for decodes queued before the
         previous step (or for all, when it has no frame to run); `on_audio`, if given, receives the audio before the
-        frame's codes are waited for. A step that queues a request's first audio waits for it instead: time to first
-        audio is the decoder alone on the GPU."""
+        frame's codes are waited for. A step that queues a request's first audio waits for it instead (queued before
+        the step's other chunks, it does not wait for them): time to first audio is the decoder alone on the GPU."""
         self._admit()
         seqs, held = self.scheduler.schedule()
         parts = self._frames(seqs)  # queued on the GPU
         decoding = self.decoding
         overlap = decoding.overlap.enabled
-        events = self._collect(decoding.queued_steps - 1 if parts else decoding.queued_steps) if overlap else []
+        events = (self._collect(decoding.through_step(decoding.queued_steps - 1 if parts else decoding.queued_steps))
+                  if overlap else [])
         if on_audio is not None and events:
             on_audio(events)
             events = []
@@ -271,13 +272,13 @@ class Engine:
         decoding.queue(stepped, held)
         self._out_of_room(stepped)  # after its last frames are queued: an error's frames would not be decoded
         if not overlap:
-            events += self._collect(decoding.queued_steps)
-        elif first_audio := decoding.first_audio_step():
+            events += self._collect(len(decoding.in_flight))
+        elif first_audio := decoding.through_first_audio():
             events += self._collect(first_audio)
         return events
 
-    def _collect(self, wait_through: int) -> list[Event]:
-        return self.decoding.collect(self.scheduler.take_finished(), wait_through)
+    def _collect(self, wait_for: int) -> list[Event]:
+        return self.decoding.collect(self.scheduler.take_finished(), wait_for)
 
     def _out_of_room(self, seqs: list[Sequence]) -> None:
         """A request that filled its KV slot before its own end (EOS, its length limit) has not spoken all its

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 # x [N, H] (consumed), positions [N], slots [N] -> final-normed hidden states [N, H]
 TokenPass = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -95,7 +95,7 @@ POLICIES: dict[str, Order] = {
 
 class Scheduler(Generic[S]):
     def __init__(self, slots: int, policy: str = "deadline", max_step_batch: int | None = None,
-                 max_prefill_batch: int = 16, max_waiting: int | None = None,
+                 max_prefill_batch: int = 64, max_waiting: int | None = None,
                  clock: Callable[[], float] = time.monotonic, admission: str = "all") -> None:
         """`max_waiting`: None queues without limit (the simulator); `clock`: seconds, for deadlines and first audio;
         `admission`: one of `ADMISSIONS`."""

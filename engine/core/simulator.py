@@ -197,6 +197,20 @@ def poisson_workload(rate: float, duration: float, seed: int, streaming_text: bo
     return arrivals
 
 
+def burst_workload(sessions: int, seed: int, tokens_per_second: tuple[float, float] = (20.0, 80.0),
+                   connect_s: float = 0.05) -> list[Arrival]:
+    """`sessions` voice-chat sessions opened in the same instant (a server's start, a reconnect storm): each opens
+    within `connect_s`, then its first answer streams like an LLM's (`poisson_workload`'s text), 2-12 s of speech."""
+    rng = random.Random(seed)
+    arrivals = []
+    for _ in range(sessions):
+        t = rng.uniform(0.0, connect_s)
+        frames = round(min(12.0, max(2.0, rng.gauss(6.0, 2.5))) / FRAME_SECONDS)
+        times = llm_token_times(rng, t, math.ceil(frames / 3), rng.uniform(*tokens_per_second))
+        arrivals.append(Arrival(t, frames, times))
+    return arrivals
+
+
 def poisson_times(rng: random.Random, rate: float, duration: float) -> Iterator[float]:
     """The arrival times in [0, duration) of a Poisson process of `rate` per second (exponential gaps), drawn lazily
     from `rng` so that a caller may draw its own values between arrivals."""

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# On the GPU machine (after `source scripts/device/setup.sh`): 256 closed-loop WebSocket sessions of LLM-paced text
-# (Opus, `auto` buffering, 30 s) against a fresh `voxgate serve` per configuration, one after another on one machine
-# and checkpoint (/tmp/ck, made if missing), so that server flags or trees are compared in one device session.
+# On the GPU machine (after `source scripts/device/setup.sh`): loads against a fresh `voxgate serve` per
+# configuration, one after another on one machine and checkpoint (/tmp/ck, made if missing), so that server flags or
+# trees are compared in one device session.
 #
 #   scripts/device/ws_sessions.sh "LOADS" 'NAME[@TREE]=SERVE FLAGS' ['NAME[@TREE]=SERVE FLAGS' ...]
 #   scripts/device/ws_sessions.sh "listen stress" 'slots192=' 'slots256=--max-batch 256'
+#   scripts/device/ws_sessions.sh "listen listen512 tts60" 'defaults=' 'all=--admission all'
 #
-# LOADS: `listen` (each session plays its audio and waits 1-3 s for its user, as a voice chat does) and/or `stress`
-# (each next context at once). TREE [this repository]: the tree the server runs from (another revision's copy).
+# LOADS, each in turn against the same server: `listen[N]` (N closed-loop WebSocket sessions [256] of LLM-paced text,
+# Opus, `auto` buffering, 30 s, each playing its audio and waiting 1-3 s for its user, as a voice chat does),
+# `stress[N]` (the same, each next context at once), `ttsR` (tts_bench at R req/s for $TTS_DURATION [40s] after its
+# 10 s warm-up). TREE [this repository]: the tree the server runs from (another revision's copy).
 # Every server gets `--device cuda --port 8000 --synthetic-frames-per-token 3.5 --max-sessions 600` before its own
 # flags. Reports, JSON, server logs and the GPU's peak memory to $OUT.
 set -uo pipefail
@@ -34,12 +37,20 @@ for configuration in "$@"; do
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/gpu-memory-$name.txt" &
     sampler=$!
     for load in $loads; do
+        kind=${load%%[0-9]*} count=${load#"${load%%[0-9]*}"}
+        if [ "$kind" = tts ]; then
+            OUT= "$REPO/scripts/tts_bench/run.sh" http://127.0.0.1:8000 "$count" \
+                "${TTS_DURATION:-40s}" > "$OUT/tts-$count-$name.txt" 2>&1
+            echo "== $name, tts_bench $count req/s ($tree $flags):"; grep -v "^INFO\|^\[" "$OUT/tts-$count-$name.txt" | tail -25
+            continue
+        fi
         listen=()
-        [ "$load" = listen ] && listen=(--listen)
-        timeout 120 python3 "$REPO/scripts/bench_gateway.py" --url ws://127.0.0.1:8000/v1/tts/stream --sessions 256 \
+        [ "$kind" = listen ] && listen=(--listen)
+        sessions=${count:-256}
+        timeout 150 python3 "$REPO/scripts/bench_gateway.py" --url ws://127.0.0.1:8000/v1/tts/stream --sessions $sessions \
             --processes 8 --duration 30 --buffering auto "${listen[@]}" --server-pid $server \
-            > "$OUT/ws-256-$load-$name.json" 2> "$OUT/ws-256-$load-$name.err"
-        echo "== $name, $load ($tree $flags): $(cat "$OUT/ws-256-$load-$name.json")"
+            > "$OUT/ws-$sessions-$kind-$name.json" 2> "$OUT/ws-$sessions-$kind-$name.err"
+        echo "== $name, $sessions sessions, $kind ($tree $flags): $(cat "$OUT/ws-$sessions-$kind-$name.json")"
     done
     kill $sampler
     echo "== $name: GPU memory used, peak $(sort -n "$OUT/gpu-memory-$name.txt" | tail -1) MiB"
