@@ -49,6 +49,7 @@ def _web_dir() -> Path | None:
 
 WEB_DIR = _web_dir()
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")  # a WebSocket path: 426 to each
+SOCKET_PATHS = ("/v1/tts/stream", "/v1/chat")
 
 
 def create_app(gateway: Gateway) -> Starlette:
@@ -166,6 +167,13 @@ def create_app(gateway: Gateway) -> Starlette:
                                                       "WebSocket client (Upgrade: websocket)")
         return JSONResponse(failure.body(), failure.status, headers={"Upgrade": "websocket"})
 
+    async def no_socket(websocket: WebSocket) -> None:
+        """A WebSocket opening where no WebSocket endpoint is (an HTTP route, an unknown path): the API's JSON 404,
+        where starlette closed it with an empty 403 (and the static files' app asserted on it: a 500)."""
+        failure = HTTPFailure(404, "invalid_message", f"no WebSocket endpoint at {websocket.url.path[:200]}; they are "
+                                                      f"{' and '.join(SOCKET_PATHS)}")
+        await websocket.send_denial_response(JSONResponse(failure.body(), failure.status))
+
     routes = [
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
@@ -174,7 +182,8 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/lexicons", lexicons, methods=["GET", "POST"]),
         Route("/v1/lexicons/{name}", lexicon, methods=["GET", "DELETE"]),
         WebSocketRoute("/v1/tts/stream", tts_socket), WebSocketRoute("/v1/chat", chat),
-        *(Route(path, upgrade_required, methods=HTTP_METHODS) for path in ("/v1/tts/stream", "/v1/chat")),
+        *(Route(path, upgrade_required, methods=HTTP_METHODS) for path in SOCKET_PATHS),
+        WebSocketRoute("/{path:path}", no_socket),  # every other WebSocket opening, before the static files' mount
     ]
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
         routes += [Route("/", demo_page),

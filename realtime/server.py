@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import unquote_plus
 
 import h11
+from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn sizes its own connection
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -213,6 +214,30 @@ _OVER_CAPACITY = _closing_response(HTTPFailure(503, "overloaded", "too many open
 _MALFORMED = _closing_response(HTTPFailure(400, "invalid_message", "malformed HTTP/1.1 request: its request line, a "
                                                                    "header or its Content-Length cannot be parsed"),
                                "Bad Request")
+_FRAMED_TWICE = _closing_response(HTTPFailure(400, "invalid_message", "the request gives both Content-Length and "
+                                                                      "Transfer-Encoding: frame its body one way"),
+                                  "Bad Request")
+
+
+class _OneBodyFraming(h11.Connection):
+    """h11 with one refusal more. A request with both Transfer-Encoding and Content-Length "ought to be handled as an
+    error" (RFC 9112, 6.3): h11 read the chunked body and ignored the length, and a proxy in front that read the
+    length instead would take the rest for another request (request smuggling)."""
+
+    def __init__(self, max_incomplete_event_size: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size)
+        self.refusal: bytes | None = None  # the response a request refused here gets
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}  # h11 gives them lower-cased
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self.refusal = _FRAMED_TWICE
+                raise h11.RemoteProtocolError("Content-Length and Transfer-Encoding together")
+        return event
+
+
 # a parameter's name stops at the next separator (`?` too), so the names tried from each separator never overlap and
 # a line costs linear time: a name that could run on over later `?` made "?" * 15,000 take seconds of the event loop
 _QUERY_PARAM = re.compile(r"([?&;])([^=&;?#\s\"']*)=([^&;#\s\"']*)")
@@ -234,6 +259,7 @@ class GuardedH11Protocol(H11Protocol):
                  _loop: asyncio.AbstractEventLoop | None = None, *, handshake_timeout_s: float,
                  max_connections: int) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        self.conn = _OneBodyFraming(config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections = max_connections
         self._headers_deadline: asyncio.TimerHandle | None = None
@@ -259,8 +285,9 @@ class GuardedH11Protocol(H11Protocol):
         self._watch_body()
 
     def send_400_response(self, msg: str) -> None:
-        """A request h11 cannot parse gets the API's JSON error (uvicorn sends plain text), then the close."""
-        self.transport.write(_MALFORMED)
+        """A request h11 cannot parse (or `_OneBodyFraming` refuses) gets the API's JSON error (uvicorn sends plain
+        text), then the close."""
+        self.transport.write(self.conn.refusal or _MALFORMED)
         self.transport.close()
 
     def on_response_complete(self) -> None:

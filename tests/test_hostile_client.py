@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -367,11 +367,36 @@ def test_a_request_http_cannot_parse_gets_the_apis_json_error(server, head):
     assert server.get("/health")[0] == 200
 
 
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(["/v1/audio/speech", "/v1/lexicons", "/health"]),
+       length=st.sampled_from(["Content-Length", "content-length", "CONTENT-LENGTH"]),
+       coding=st.sampled_from(["Transfer-Encoding", "transfer-encoding"]), length_first=st.booleans(),
+       declared=st.integers(0, 64), chunk=st.binary(min_size=1, max_size=32))
+def test_a_request_that_frames_its_body_two_ways_is_refused(server, route, length, coding, length_first, declared,
+                                                           chunk):
+    """Content-Length and Transfer-Encoding together (a request-smuggling vector behind a proxy that reads the
+    other one): h11 took the chunked body and served the request; now 400 with the API's JSON error, then the close."""
+    framing = [f"{length}: {declared}\r\n", f"{coding}: chunked\r\n"]
+    head = (f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + "".join(framing if length_first else framing[::-1]) + "\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=EXAMPLE_TIMEOUT_S) as raw:
+        raw.sendall(head + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n0\r\n\r\n")
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 ") and b"application/json" in status, answer
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_message" and "Transfer-Encoding" in error["message"]
+    assert server.get("/health")[0] == 200
+
+
 # --- WebSocket handshakes -----------------------------------------------------------------------------------------
 
-def _handshake(port: int, extra_headers: bytes, key: bool = True) -> bytes:
-    """A raw WebSocket opening handshake on /v1/tts/stream: the response, up to the close (the head of a 101)."""
-    head = (b"GET /v1/tts/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+def _handshake(port: int, extra_headers: bytes, key: bool = True, path: bytes = b"/v1/tts/stream") -> bytes:
+    """A raw WebSocket opening handshake (on /v1/tts/stream): the response, up to the close (the head of a 101)."""
+    head = (b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
             + (b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n" if key else b"")
             + b"Sec-WebSocket-Version: 13\r\n" + extra_headers + b"\r\n")
     with socket.create_connection(("127.0.0.1", port), timeout=EXAMPLE_TIMEOUT_S) as raw:
@@ -404,6 +429,26 @@ def test_a_request_that_is_no_websocket_handshake_gets_the_apis_json_error(serve
     status, _, body = answer.partition(b"\r\n\r\n")
     assert status.startswith(b"HTTP/1.1 400 ") and b"application/json" in status, answer
     assert json.loads(body)["error"]["code"] == "invalid_message"
+    assert server.get("/health")[0] == 200
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(path=st.one_of(st.sampled_from(["/", "/health", "/v1/audio/speech", "/v1/voices", "/static/app.js",
+                                       "/static/../x", "/v1/tts/stream/", "/v1/chat/x"]),
+                      st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40).map("/".__add__)))
+def test_a_websocket_handshake_where_no_websocket_endpoint_is_gets_the_apis_json_404(server, path):
+    """A WebSocket opening on an HTTP route or an unknown path got starlette's empty 403 (and under /static, the
+    files' app asserted: a 500 and a traceback): it is the API's JSON 404 naming the WebSocket endpoints."""
+    assume(path not in ("/v1/tts/stream", "/v1/chat"))
+    answer = _handshake(server.port, b"", path=path.encode())
+    status, _, body = answer.partition(b"\r\n\r\n")
+    if status.startswith(b"HTTP/1.1 400 "):  # a target h11 or the library refuses as a request line: its own JSON
+        assert json.loads(body)["error"]["code"] == "invalid_message"
+        return
+    assert status.startswith(b"HTTP/1.1 404 ") and b"application/json" in status, answer[:300]
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_message" and "/v1/tts/stream" in error["message"]
     assert server.get("/health")[0] == 200
 
 
