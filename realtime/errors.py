@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.errors import EmptyText, EngineFailed, EngineFull, RequestError, SynthesisFailed, TextTooLong, VoxgateError
 from realtime.ws.protocol import ProtocolError
+from realtime.ws.speech_context import SlowReader
 
 # most specific first: the first type the error is an instance of gives its code and status
 ENGINE_ERRORS: tuple[tuple[type[VoxgateError], str, int], ...] = (
@@ -15,6 +16,7 @@ ENGINE_ERRORS: tuple[tuple[type[VoxgateError], str, int], ...] = (
     (EngineFull, "overloaded", 503),
     (EngineFailed, "synthesis_failed", 503),  # the engine restarts: retry later
     (SynthesisFailed, "synthesis_failed", 500),
+    (SlowReader, "slow_consumer", 408),  # a streamed HTTP body whose client read too little (its status went out)
 )
 PROTOCOL_STATUS = {"unauthorized": 401, "overloaded": 503, "synthesis_failed": 500, "internal": 500}
 

@@ -36,7 +36,7 @@ from realtime.voice_library import UPLOAD_VARIANTS, VoiceLibrary
 from realtime.voice_store import VoiceStore, check_data_dir
 from realtime.voices import CloneVoice, VoiceCatalog
 from realtime.ws.protocol import Sampling
-from realtime.ws.speech_context import SpeechContext
+from realtime.ws.speech_context import ReadAhead, SpeechContext
 from realtime.ws.utterances import UtterancePlanner
 
 log = logging.getLogger("voxgate")
@@ -384,9 +384,9 @@ class Gateway:
         return SamplingParams(talker, base.code_predictor, penalty, seed)
 
     def speech_context(self, template: SynthesisRequest, buffering: str, max_buffer_delay_ms: int,
-                       lexicon: Lexicon | None = None) -> SpeechContext:
+                       lexicon: Lexicon | None = None, read_ahead: ReadAhead | None = None) -> SpeechContext:
         return SpeechContext(self.engine, template, UtterancePlanner(buffering, max_buffer_delay_ms / 1000), lexicon,
-                             self.limits.max_text_chars)
+                             self.limits.max_text_chars, read_ahead)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

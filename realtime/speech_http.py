@@ -32,7 +32,7 @@ from realtime.ws.protocol import (
     load_json,
     sampling_value,
 )
-from realtime.ws.speech_context import ContextAudio, ContextEnd
+from realtime.ws.speech_context import ContextAudio, ContextEnd, ReadAhead
 
 # OpenAI's speech models, dated snapshots included: tts-1, tts-1-hd, tts-1-1106, gpt-4o-mini-tts,
 # gpt-4o-mini-tts-2025-12-15; not its other models (gpt-4o, whisper-1, gpt-4o-mini-transcribe)
@@ -42,6 +42,9 @@ OPENAI_MODEL_EXAMPLES = "tts-1, tts-1-hd, gpt-4o-mini-tts or a dated one (gpt-4o
 # the prompt, or fed a token per frame
 TEXT_LAYOUT_OF_NON_STREAMING_MODE = {True: "prefill", False: "streaming"}
 DEFAULT_LAYOUT = "streaming"  # the gateway's: it starts speaking soonest
+# A streamed body's synthesis waits while 5 s of its audio is made and unread (a client reading slower than real time:
+# the audio would pile up in the gateway), and ends if it waits 20 s (a client that reads too little holds no slot)
+READ_AHEAD = ReadAhead(pause_s=5.0, limit_s=20.0)
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,7 @@ def start_speech(request: SpeechRequest, gateway: Gateway) -> AsyncIterator[np.n
         template = gateway.template(voice, request.language, Sampling(seed=request.seed), request.layout)
     except VoiceError as failure:  # an unknown voice or language
         raise HTTPFailure(400, failure.code, str(failure)) from None
-    speech = gateway.speech_context(template, "none", 0, request.lexicon)
+    speech = gateway.speech_context(template, "none", 0, request.lexicon, READ_AHEAD if request.stream else None)
     speech.append(request.text)
     speech.end()
     return _chunks(speech) if request.speed == 1.0 else _stretched(_chunks(speech), request.speed)

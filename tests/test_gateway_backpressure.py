@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import socket
+import time
 
+import numpy as np
 import pytest
 from websockets.asyncio.client import connect
 
 import realtime.server as server_module
+from realtime import speech_http
 from realtime.gateway import Limits
 from realtime.ws.protocol import pack_header
+from realtime.ws.speech_context import ReadAhead
 from tests.gateway_server import events_until_closed, running_server
 
 SEND_QUEUE_MS = 400
@@ -121,3 +126,82 @@ def test_synthesis_pauses_while_the_client_does_not_read_and_nothing_is_lost_whe
             assert json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] == "pong"  # still open
             await ws.close()
         asyncio.run(go())
+
+
+# --- a streamed HTTP body whose client reads slowly -----------------------------------------------------------------
+
+SPEECH = {"model": "tts-1", "input": "A long answer that keeps the model talking for a while. " * 3, "voice": "vivian",
+          "response_format": "pcm", "seed": 5}
+
+
+def _unread_speech(server, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A streamed speech request whose body is not read: its socket and the server's end of it buffer little."""
+    host, port = server.http.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    connection = http.client.HTTPConnection(host, int(port), timeout=120)
+    connection.sock = sock
+    connection.request("POST", "/v1/audio/speech", json.dumps({**body, "stream": True}),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()  # the head goes out with the first audio
+    (ours,) = [c for c in list(server.server.server_state.connections)
+               if c.transport.get_extra_info("peername")[1] == sock.getsockname()[1]]
+    ours.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    return connection, response
+
+
+def _engine_stopped(server) -> bool:
+    """The engine has a request and runs no step for a while."""
+    for _ in range(600):
+        time.sleep(0.05)
+        if server.metric("voxgate_engine_requests_active"):
+            steps = server.metric("voxgate_engine_step_seconds_count")
+            time.sleep(0.5)
+            if server.metric("voxgate_engine_step_seconds_count") == steps:
+                return True
+    return False
+
+
+def test_a_streamed_speech_body_pauses_synthesis_while_unread_and_loses_nothing(monkeypatch):
+    """The audio a slow reader has not taken stayed in the gateway while synthesis ran to the end (up to the text
+    limit's worth of audio a request): now synthesis waits once READ_AHEAD.pause_s of it is unread, keeping its
+    slot, and the body the client reads later is whole: the same audio as the same request sent whole (to an
+    int16 step: its chunks were cut where the pause fell, and the decoder's float sums differ by ~1e-6 there)."""
+    monkeypatch.setattr(speech_http, "READ_AHEAD", ReadAhead(pause_s=1.0, limit_s=120.0))
+    with running_server() as server:
+        status, _, whole = server.post("/v1/audio/speech", {**SPEECH, "stream": False})
+        assert status == 200
+        connection, response = _unread_speech(server, SPEECH)
+        try:
+            assert response.status == 200
+            assert _engine_stopped(server), "the engine kept stepping for a client that reads nothing"
+            steps = server.metric("voxgate_engine_step_seconds_count")
+            time.sleep(1.0)
+            assert server.metric("voxgate_engine_step_seconds_count") == steps  # still paused, its slot kept
+            assert server.metric("voxgate_engine_requests_active") == 1
+            paused, sent_whole = (np.frombuffer(body, np.int16).astype(int) for body in (response.read(), whole))
+            assert len(paused) == len(sent_whole) and np.abs(paused - sent_whole).max() <= 1
+        finally:
+            connection.close()
+
+
+def test_a_streamed_speech_body_left_unread_too_long_ends_and_frees_its_slot(monkeypatch):
+    """Paused for READ_AHEAD.limit_s, the request ends: its engine slot is free at once, and the client that reads
+    at last gets the audio made before, then the body's end (a body cannot say why: the log and the error metric
+    do); the server goes on serving."""
+    monkeypatch.setattr(speech_http, "READ_AHEAD", ReadAhead(pause_s=1.0, limit_s=1.0))
+    with running_server() as server:
+        status, _, whole = server.post("/v1/audio/speech", {**SPEECH, "stream": False})
+        connection, response = _unread_speech(server, SPEECH)
+        try:
+            for _ in range(600):
+                time.sleep(0.05)
+                if not server.metric("voxgate_engine_requests_active"):
+                    break
+            else:
+                pytest.fail("the slow reader's request kept its engine slot")
+            made, sent_whole = (np.frombuffer(body, np.int16).astype(int) for body in (response.read(), whole))
+            assert 0 < len(made) < len(sent_whole) and np.abs(made - sent_whole[:len(made)]).max() <= 1
+        finally:
+            connection.close()
+        assert server.post("/v1/audio/speech", {**SPEECH, "stream": False})[0] == 200

@@ -29,6 +29,7 @@ from engine.errors import EmptyText, RequestError, SynthesisFailed, TextTooLong,
 from engine.request import SEED_RANGE, AudioChunk, Finished, SynthesisRequest
 from engine.serving.async_engine import FrontEnd, RequestHandle
 from engine.text.cleanup import speakable
+from realtime.audio.formats import MODEL_SAMPLE_RATE
 from realtime.lexicon import Lexicon, LexiconStream
 from realtime.ws.utterances import Utterance, UtterancePlanner
 
@@ -71,11 +72,27 @@ class ContextEnd:
 ContextEvent = ContextAudio | ContextText | ContextMarker | ContextEnd
 
 
+class SlowReader(VoxgateError):
+    """The reader of a context's events took too little of its audio for too long (`ReadAhead.limit_s`)."""
+
+
+@dataclass(frozen=True)
+class ReadAhead:
+    """For a reader that takes `events()` at its own pace (an HTTP body, as fast as its client reads it): synthesis
+    pauses once `pause_s` of audio waits untaken and resumes once half of it is taken; paused for `limit_s`, the
+    context ends with SlowReader, so that a client that reads too little cannot hold an engine slot. (A WebSocket
+    session takes every event at once and paces synthesis by its own send queue.)"""
+    pause_s: float
+    limit_s: float
+
+
 class SpeechContext:
     def __init__(self, engine: FrontEnd, template: SynthesisRequest, planner: UtterancePlanner,
-                 lexicon: Lexicon | None = None, max_text_chars: int | None = None) -> None:
+                 lexicon: Lexicon | None = None, max_text_chars: int | None = None,
+                 read_ahead: ReadAhead | None = None) -> None:
         """`template` gives voice, language, sampling and clean-up; its text is ignored. `max_text_chars` bounds the
-        text spoken after the lexicon's replacements (None: unbounded)."""
+        text spoken after the lexicon's replacements (None: unbounded). `read_ahead`: how far synthesis may run
+        ahead of the reader of `events()` (None: the reader paces it with `pause`)."""
         self.engine = engine
         self.template = template
         self.planner = planner
@@ -88,6 +105,9 @@ class SpeechContext:
         self._markers: dict[int, list[tuple[str, str, Any]]] = {}  # utterance index -> markers after its audio
         self._ended = False
         self._paused = False  # the client reads slower than real time: the engine makes no more audio for now
+        self.read_ahead = read_ahead
+        self._untaken = 0  # samples of audio queued for `events()` and not yet taken
+        self._slow_reader: asyncio.TimerHandle | None = None  # read_ahead: ends a context paused too long
         self._flushes = 0
         self._wake = asyncio.Event()
         self._request: RequestHandle | None = None  # the speaking utterance's engine request
@@ -160,8 +180,30 @@ class SpeechContext:
         self._cancel_timers()
 
     def _cancel_timers(self) -> None:
-        for timer in [*self._timers.values(), *([self._pause] if self._pause is not None else [])]:
+        for timer in [*self._timers.values(), *(t for t in (self._pause, self._slow_reader) if t is not None)]:
             timer.cancel()
+
+    def _queued_audio(self, samples: int) -> None:
+        """`read_ahead`: audio for the reader is queued; as much as `pause_s` untaken pauses synthesis."""
+        self._untaken += samples
+        ahead = self.read_ahead
+        if ahead is not None and not self._paused and self._untaken >= ahead.pause_s * MODEL_SAMPLE_RATE:
+            self.pause(True)
+            self._slow_reader = asyncio.get_running_loop().call_later(ahead.limit_s, self._too_slow)
+
+    def _taken(self, samples: int) -> None:
+        """`read_ahead`: the reader took audio; under half of `pause_s` untaken resumes synthesis."""
+        self._untaken -= samples
+        ahead = self.read_ahead
+        if ahead is not None and self._paused and self._untaken < ahead.pause_s * MODEL_SAMPLE_RATE / 2:
+            self.pause(False)
+            if self._slow_reader is not None:
+                self._slow_reader.cancel()
+                self._slow_reader = None
+
+    def _too_slow(self) -> None:
+        self._slow_reader = None
+        self._end_early(SlowReader(f"the client read too little of its audio for {self.read_ahead.limit_s:g} s"))
 
     def _on_pause(self) -> None:
         """No text for TEXT_PAUSE_S: an utterance that is speaking (it holds an engine slot) closes. One not started
@@ -181,16 +223,23 @@ class SpeechContext:
         self._wake.set()
 
     def _refuse(self, error: VoxgateError) -> None:
+        """End the context now because its own text passed the limit."""
+        if not self._task.done():
+            self._refused = error
+            self._end_early(error)
+
+    def _end_early(self, error: VoxgateError) -> None:
         """End the context now with `error`, after the audio already delivered (once: not after it has ended)."""
         if self._task.done():
             return
-        self._refused = error
         self.cancel()
         self._events.put_nowait(ContextEnd("error", self.samples, error))
 
     async def events(self) -> AsyncIterator[ContextEvent]:
         while True:
             event = await self._events.get()
+            if isinstance(event, ContextAudio):
+                self._taken(len(event.samples))
             yield event
             if isinstance(event, ContextEnd):
                 return
@@ -277,6 +326,7 @@ class SpeechContext:
             async for event in request:
                 if isinstance(event, AudioChunk):
                     self._events.put_nowait(ContextAudio(start + event.start_sample, event.samples))
+                    self._queued_audio(len(event.samples))
                     self.samples = max(self.samples, start + event.start_sample + len(event.samples))
                 elif isinstance(event, Finished) and event.reason == "error":
                     return event.error or SynthesisFailed("synthesis failed")
