@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.scheduler import Scheduler  # noqa: E402
-from engine.core.simulator import Arrival, CostModel, burst_workload, poisson_workload, simulate, summarize  # noqa: E402
+from engine.core.simulator import (  # noqa: E402
+    Arrival, CostModel, burst_workload, poisson_workload, simulate, summarize)
 
 HEADER = ("| text | rate | scheduling | requests | TTFA p50 / p95 / p99 | never underrun | audio s/s |\n"
           "|---|---|---|---|---|---|---|")

@@ -50,7 +50,8 @@ class EngineConfig:
     # share's budget, so that a small GPU still gets slots
     kv_memory_reserve_bytes: int = 0
     max_waiting: int = 256
-    max_prefill_batch: int = 64  # prefills per step: a burst of new sessions (a start, a reconnect storm) waits a few steps, not tens
+    # prefills a step: a burst of new sessions (a server's start, a reconnect storm) waits a few steps, not tens
+    max_prefill_batch: int = 64
     first_chunk_frames: int = 1
     chunk_frames: int = 4  # the largest chunk
     frame_path: str = "torch"  # "torch" (the model's own code) | "triton" (fused kernels: the GPU's fast path)
