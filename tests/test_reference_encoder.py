@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from engine.checkpoint import load_module
 from engine.config import parse_speech_tokenizer_config, read_json
 from engine.errors import AudioInputError, CheckpointError
-from engine.model.reference_encoder import ReferenceEncoder, load_reference_audio, resample
+from engine.model import reference_encoder
+from engine.model.reference_encoder import ReferenceEncoder, decode_reference_audio, load_reference_audio, resample
 from engine.synthetic.configs import SPEECH_PREPROCESSOR, speech_tokenizer_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -192,6 +193,7 @@ def test_load_reference_audio_formats(tmp_path, fmt, ext):
     (1, 0.5, "sample rate of 1 Hz"), (4000, 0.5, "sample rate of 4000 Hz"),  # a 1 Hz WAV of 2 samples was a voice
     (16000, 1e6, "samples up to 1e"), (16000, 2.5, "samples up to 2.5"),
     (8000, 0.5, None), (16000, 1.5, None),  # telephone speech; float audio a little past full scale
+    (655350, 0.5, "sample rate of 655350 Hz"), (192000, 0.5, None),  # a decompression bomb's rate; a studio's
 ])
 def test_reference_audio_that_is_not_speech_is_refused(tmp_path, rate, peak, refused):
     path = tmp_path / "odd.wav"
@@ -202,6 +204,18 @@ def test_reference_audio_that_is_not_speech_is_refused(tmp_path, rate, peak, ref
     else:
         with pytest.raises(AudioInputError, match=re.escape(refused)):
             load_reference_audio(path)
+
+
+@pytest.mark.parametrize("channels", [1, 2, 8])
+def test_a_file_is_mixed_to_mono_a_block_at_a_time_as_if_whole(tmp_path, channels, monkeypatch):
+    """Blocks of a few frames (the real ones are DECODE_BLOCK_FRAMES) give exactly the whole file's channel mean."""
+    monkeypatch.setattr(reference_encoder, "DECODE_BLOCK_FRAMES", 7)
+    rng = np.random.default_rng(channels)
+    audio = rng.uniform(-0.5, 0.5, (16000, channels)).astype(np.float32)
+    path = tmp_path / "multi.wav"
+    sf.write(path, audio, 16000, subtype="FLOAT")
+    mono, rate = decode_reference_audio(path.read_bytes(), "upload")
+    np.testing.assert_array_equal(mono, audio.mean(axis=1) if channels > 1 else audio[:, 0])
 
 
 def test_load_reference_audio_errors(tmp_path):
