@@ -64,7 +64,8 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
 
     Raises UnreadableAudio (not decodable, no samples, NaN or infinite samples, a rate outside speech's),
     ReferenceTooShort (under `min_seconds`, at least MIN_REFERENCE_SECONDS) and ReferenceTooLong (over `max_seconds`,
-    told from the header before decoding, so that a small compressed file cannot expand into minutes of samples); `name` starts each message. Memory stays near the mono result's, whatever the channels."""
+    told from the header before decoding, so that a small compressed file cannot expand into minutes of samples);
+    `name` starts each message. Memory stays near the mono result's, whatever the channels."""
     try:
         with sf.SoundFile(io.BytesIO(source) if isinstance(source, bytes) else str(source)) as file:
             rate = int(file.samplerate)
