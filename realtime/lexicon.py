@@ -117,12 +117,16 @@ class Tries:
     largest lexicon allowed ~50,000 of them (~15 MB, ~0.15 s to build); `max_nodes` bounds the nodes of all the
     distinct tries alive at once, so that clients sending distinct inline lexicons cannot take the server's memory
     (a hostile try: 48 contexts with inline lexicons, +750 MB). Past it a new one is refused (`LexiconsBusy`) until
-    others are released. The last `keep` tries stay built after their lexicons are gone."""
+    others are released. A stored lexicon's trie is the store's, bounded by its capacity; once replaced or deleted
+    (`unstore`) it counts like an inline one for as long as sessions still hold it (re-posting one name with new
+    rules, each taken by sessions, went past the bound). The last `keep` tries stay built after their lexicons are
+    gone."""
 
     def __init__(self, max_nodes: int, keep: int = 8) -> None:
         self.max_nodes, self.keep = max_nodes, keep
         self.nodes = 0  # of the distinct tries alive, and of those being built
         self._alive: weakref.WeakValueDictionary[tuple[Rule, ...], _Node] = weakref.WeakValueDictionary()
+        self._counts: dict[tuple[Rule, ...], _Count] = {}  # each trie alive: what it counts and its size
         self._recent: OrderedDict[tuple[Rule, ...], _Node] = OrderedDict()
         # client lexicons compile on LEXICON_COMPILER, while the event loop's lexicons are released (a finalizer runs
         # where the last reference goes); reentrant: a collection inside `get` may run `_released` on the same thread
@@ -146,7 +150,7 @@ class Tries:
                 raise
             with self._lock:  # the reservation becomes the count, in one step (another thread may have won)
                 self.nodes -= size
-                root = self._alive.get(rules) or self._adopt(rules, root, nodes if bounded else 0)
+                root = self._alive.get(rules) or self._adopt(rules, root, nodes, bounded)
         with self._lock:
             self._recent[rules] = root
             self._recent.move_to_end(rules)
@@ -155,25 +159,57 @@ class Tries:
         return root
 
     def _reserve(self, size: int) -> None:
+        self._check_room(size)
+        self.nodes += size
+
+    def check_room(self, size: int) -> None:
+        """Raises LexiconsBusy unless `size` more nodes fit the bound (after collecting released tries, if due)."""
+        with self._lock:
+            self._check_room(size)
+
+    def _check_room(self, size: int) -> None:
         if self.nodes + size > self.max_nodes:
             self._recent.clear()  # what is kept only for reuse goes first; a trie's links make cycles, so the
             if time.monotonic() - self._collected_at > COLLECT_INTERVAL_S:  # tries no lexicon holds wait for the
                 self._collected_at = time.monotonic()  # collector: run it under pressure, at most so often (a
                 gc.collect()  # full collection takes ~0.3-1 s with many tries alive)
             if self.nodes + size > self.max_nodes:
-                raise LexiconsBusy("the server holds as many distinct lexicons as it can; use a stored lexicon "
-                                   "(POST /v1/lexicons) or retry when other sessions have ended")
-        self.nodes += size
+                raise LexiconsBusy("the server holds as many distinct lexicons as it can (its sessions' and those "
+                                   "replaced while in use); share one (a stored lexicon, the same rules) or retry "
+                                   "when other sessions have ended")
 
-    def _adopt(self, rules: tuple[Rule, ...], root: _Node, nodes: int) -> _Node:
-        self.nodes += nodes
-        weakref.finalize(root, self._released, nodes)
+    def _adopt(self, rules: tuple[Rule, ...], root: _Node, size: int, bounded: bool) -> _Node:
+        count = self._counts[rules] = _Count(size, size if bounded else 0)
+        self.nodes += count.counted
+        weakref.finalize(root, self._released, rules, count)
         self._alive[rules] = root
         return root
 
-    def _released(self, nodes: int) -> None:
+    def uncounted(self, rules: tuple[Rule, ...]) -> int:
+        """The nodes of the trie of `rules` that do not count against the bound (a stored lexicon's; 0 if none)."""
         with self._lock:
-            self.nodes -= nodes
+            count = self._counts.get(rules)
+            return count.size - count.counted if count is not None else 0
+
+    def unstore(self, rules: tuple[Rule, ...]) -> None:
+        """A stored lexicon's rules left the store: their trie, while alive, counts against `max_nodes` from now."""
+        with self._lock:
+            count = self._counts.get(rules)
+            if count is not None and not count.counted:
+                count.counted = count.size
+                self.nodes += count.size
+
+    def _released(self, rules: tuple[Rule, ...], count: _Count) -> None:
+        with self._lock:
+            self.nodes -= count.counted
+            if self._counts.get(rules) is count:
+                del self._counts[rules]
+
+
+@dataclass
+class _Count:
+    size: int  # the trie's nodes
+    counted: int  # of them, what counts against the bound (0 while the store holds it)
 
 
 COLLECT_INTERVAL_S = 10.0
@@ -378,9 +414,15 @@ class LexiconStore:
         lexicon = self.resolve(rules) if isinstance(rules, Lexicon | LexiconError) else parse_rules(rules, name)
         if lexicon.name != name:
             raise ValueError(f"a lexicon compiled as {lexicon.name!r} stored as {name!r}")
-        created = name not in self._lexicons
+        replaced = self._lexicons.get(name)
+        leaving = replaced is not None and replaced.rules != lexicon.rules and self._sole(replaced)
+        # while tries that left the store fill the bound (sessions hold them), storing waits: replacing or deleting
+        # a name again and again, each taken by sessions, would otherwise grow memory without end
+        TRIES.check_room(TRIES.uncounted(replaced.rules) if leaving else 0)
         self._lexicons[name] = lexicon
-        return lexicon, created
+        if leaving:
+            TRIES.unstore(replaced.rules)
+        return lexicon, replaced is None
 
     def check_room(self, name: Any) -> None:
         """Raises LexiconError for a bad name, StoreFull where storing `name` would pass the capacity."""
@@ -394,8 +436,15 @@ class LexiconStore:
         return lexicon
 
     def delete(self, name: str) -> None:
-        self.get(name)
+        """Always done: the trie that leaves, if sessions hold it, may take the bound past full (storing waits)."""
+        lexicon = self.get(name)
+        if self._sole(lexicon):
+            TRIES.unstore(lexicon.rules)
         del self._lexicons[name]
+
+    def _sole(self, lexicon: Lexicon) -> bool:
+        """No other name stores the same rules (else its trie stays the store's)."""
+        return sum(other.rules == lexicon.rules for other in self._lexicons.values()) <= 1
 
     def names(self) -> list[str]:
         return list(self._lexicons)

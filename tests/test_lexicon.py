@@ -274,3 +274,37 @@ def test_stored_lexicons_are_bounded_by_the_store_not_by_the_inline_bound():
             store.put(f"big{index}", [{"term": "x" * 40 + str(index), "replacement": "y"}])
         assert tries.nodes == 0
         assert parse_rules([{"term": "small", "replacement": "y"}])._root is not None and 0 < tries.nodes <= 50
+
+
+def test_a_stored_lexicon_replaced_or_deleted_while_in_use_counts_and_storing_waits_while_the_bound_is_full():
+    """Re-posting one name with new rules, each taken by sessions, kept every old trie alive outside any bound (a
+    hostile try: +700 MB). A trie that leaves the store counts from then on, for as long as it is held; storing is
+    refused while those fill the bound (a delete is always done), and goes on once they are released."""
+    tries = Tries(max_nodes=70, keep=0)  # two of these tries (32 nodes each), not three
+
+    def rules(index: int) -> list[dict]:
+        return [{"term": "x" * 30 + str(index), "replacement": "y"}]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lexicon_module, "TRIES", tries)
+        store = LexiconStore()
+        held = [store.put("L", rules(0))[0]]  # a session takes it
+        assert tries.nodes == 0  # the store's own: bounded by its capacity
+        held.append(store.put("L", rules(1))[0])  # the first one left the store, still held: it counts now
+        assert tries.nodes == nodes_of(held[0]._root)
+        held.append(store.put("L", rules(2))[0])
+        with pytest.raises(LexiconsBusy):  # a third would pass the bound
+            store.put("L", rules(3))
+        assert store.get("L") is held[-1]  # the refused replacement changed nothing
+        with pytest.raises(LexiconsBusy):
+            parse_rules(rules(9))  # nor does an inline one fit
+        store.delete("L")  # a delete is done all the same: the bound is now over full
+        assert tries.nodes > tries.max_nodes and "L" not in store.names()
+        with pytest.raises(LexiconsBusy):
+            store.put("M", rules(4))  # so storing waits, even under a new name
+        del held
+        gc.collect()
+        assert tries.nodes == 0
+        store.put("M", rules(4))
+        same = store.put("M", rules(4))[0]  # the same rules again: nothing leaves the store
+        assert tries.nodes == 0 and same.rules == store.get("M").rules
