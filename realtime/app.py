@@ -122,7 +122,8 @@ def create_app(gateway: Gateway) -> Starlette:
         async def handle() -> Response:
             if request.method != "POST":  # GET or HEAD: reading never stores
                 return JSONResponse(list_lexicons(gateway.lexicons))
-            body, status = await store_lexicon(await _body(request, gateway.limits.max_message_bytes), gateway.lexicons)
+            body, status = await store_lexicon(await _body(request, gateway.limits.max_message_bytes), gateway.lexicons,
+                                               gateway.http_lexicon_rules)
             return JSONResponse(body, status_code=status)
         return await _http(request, gateway, auth, handle, needs_model=False)
 

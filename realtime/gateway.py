@@ -30,12 +30,14 @@ from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
 from realtime.audio.encoder_pool import EncoderPool
 from realtime.lexicon import Lexicon, LexiconStore
+from realtime.lexicons_http import HTTP_RULES_RATE
 from realtime.llm import LLMConfig
 from realtime.metrics import Metrics
 from realtime.voice_library import UPLOAD_VARIANTS, VoiceLibrary
 from realtime.voice_store import VoiceStore, check_data_dir
 from realtime.voices import CloneVoice, VoiceCatalog
 from realtime.ws.protocol import Sampling
+from realtime.ws.rate_limit import RateLimiter
 from realtime.ws.speech_context import ReadAhead, SpeechContext
 from realtime.ws.utterances import UtterancePlanner
 
@@ -166,6 +168,7 @@ class Gateway:
         self.sessions: set = set()
         self.chat_sockets = 0  # open `/v1/chat` sockets (at most max_sessions)
         self.lexicons = LexiconStore()  # named pronunciation lexicons, in memory
+        self.http_lexicon_rules = RateLimiter(HTTP_RULES_RATE)  # the rules HTTP requests may have compiled
         self.shutting_down = False
         self.on_fatal: Callable[[str], None] | None = None  # the gateway failed for good (the server exits)
         self._restarted_at: float | None = None  # when the engine was last restarted

@@ -6,6 +6,8 @@ from typing import Any
 
 from realtime.errors import HTTPFailure
 from realtime.lexicon import (
+    MAX_RULES,
+    Lexicon,
     LexiconError,
     LexiconNotFound,
     LexiconsBusy,
@@ -14,6 +16,12 @@ from realtime.lexicon import (
     compile_off_loop,
 )
 from realtime.ws.protocol import ProtocolError, load_json
+from realtime.ws.rate_limit import RateLimiter
+
+# lexicon rules compiled for HTTP requests a second, all clients together (bursts of twice that): a compile holds the
+# GIL (~0.2 s for 1,000 rules), and three clients posting 1,000-rule lexicons in a loop took a healthy session's first
+# audio from 87 to 766 ms (a hostile try). A socket has its own budget, per session (`INLINE_RULES_RATE`).
+HTTP_RULES_RATE = 1000
 
 # the store's own refusals (docs/protocol.md); a malformed lexicon is the protocol's `invalid_message`
 STORE_ERRORS: tuple[tuple[type[LexiconError], int, str], ...] = (
@@ -24,9 +32,21 @@ STORE_ERRORS: tuple[tuple[type[LexiconError], int, str], ...] = (
 )
 
 
-async def store_lexicon(raw: bytes, store: LexiconStore) -> tuple[dict[str, Any], int]:
+async def compile_within(budget: RateLimiter, rules: Any, name: str | None = None) -> Lexicon | LexiconError:
+    """`compile_off_loop` within the HTTP requests' budget of rules a second; past it HTTPFailure 429 `rate_limited`
+    (rules past MAX_RULES are refused for their size, at no cost)."""
+    count = len(rules) if isinstance(rules, list) and len(rules) <= MAX_RULES else 0
+    if not budget.allow(count):
+        raise HTTPFailure(429, "rate_limited", f"lexicons over HTTP are compiled at most {HTTP_RULES_RATE} rules a "
+                                               "second, for all clients; retry shortly (a stored lexicon costs "
+                                               "nothing to name)")
+    return await compile_off_loop(rules, name)
+
+
+async def store_lexicon(raw: bytes, store: LexiconStore, budget: RateLimiter) -> tuple[dict[str, Any], int]:
     """`POST /v1/lexicons` with `{"name", "rules"}`: the stored lexicon, 201 when new, 200 when it replaced one. The
-    rules are compiled on the compiler thread (`compile_off_loop`), once the name is known good and has room."""
+    rules are compiled on the compiler thread (`compile_within` the HTTP budget), once the name is known good and has
+    room."""
     try:
         body = load_json(raw or b"null")
     except ProtocolError as failure:
@@ -36,7 +56,7 @@ async def store_lexicon(raw: bytes, store: LexiconStore) -> tuple[dict[str, Any]
     name = body.get("name")
     try:
         store.check_room(name)
-        lexicon, created = store.put(name, await compile_off_loop(body.get("rules"), name))
+        lexicon, created = store.put(name, await compile_within(budget, body.get("rules"), name))
     except LexiconError as failure:
         raise refusal(failure) from None
     return lexicon.describe(), 201 if created else 200

@@ -20,7 +20,8 @@ from realtime.audio.formats import HTTP_FORMATS
 from realtime.audio.time_stretch import SPEED_RANGE, TimeStretch
 from realtime.errors import HTTPFailure, engine_http_failure
 from realtime.gateway import Gateway
-from realtime.lexicon import Lexicon, compile_off_loop
+from realtime.lexicon import Lexicon
+from realtime.lexicons_http import compile_within
 from realtime.voices import VoiceError
 from realtime.ws.protocol import (
     FIELD_LIMITS,
@@ -69,14 +70,15 @@ FIELD_LIMITS_HTTP = {**FIELD_LIMITS, "model": MAX_NAME_CHARS, "response_format":
 
 
 async def read_speech_request(raw: bytes, gateway: Gateway) -> SpeechRequest:
-    """The request in a body; an inline lexicon is compiled on the compiler thread (`compile_off_loop`), once every
-    other field has passed (a refused request costs no compile)."""
+    """The request in a body; an inline lexicon is compiled on the compiler thread (`compile_within` the HTTP budget),
+    once every other field has passed (a refused request costs no compile)."""
     body = speech_body(raw)
     rules = body.pop("lexicon") if isinstance(body.get("lexicon"), list) else None
     request = parse_speech_request(body, gateway)
     if rules is None:
         return request
-    return replace(request, lexicon=_lexicon({"lexicon": await compile_off_loop(rules)}, gateway))
+    return replace(request, lexicon=_lexicon({"lexicon": await compile_within(gateway.http_lexicon_rules, rules)},
+                                             gateway))
 
 
 def speech_body(raw: bytes) -> dict[str, Any]:

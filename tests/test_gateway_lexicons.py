@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -403,3 +404,19 @@ def test_lexicons_over_http_are_compiled_off_the_event_loop(server, compile_thre
     status, _, body = server.post("/v1/lexicons", {"name": "no spaces", "rules": [{"term": "a", "replacement": "b"}]},
                                   token=KEY)
     assert status == 400 and "name" in json.loads(body)["error"]["message"] and len(compile_threads) == 2
+
+
+def test_lexicons_over_http_are_compiled_within_one_budget_of_rules_a_second(server, compile_threads):
+    """Three clients posting 1,000-rule lexicons in a loop starved a healthy session (its first audio 87 -> 766 ms):
+    HTTP compiles share HTTP_RULES_RATE rules a second (bursts of twice that), stored and inline alike; past it 429
+    `rate_limited`, uncompiled; a second later they are taken again."""
+    big = [{"term": f"w{index}", "replacement": "x"} for index in range(1000)]
+    answers = [server.post("/v1/lexicons", {"name": f"big{index}", "rules": big}, token=KEY) for index in range(2)]
+    assert [status for status, _, _ in answers] == [201, 201]
+    status, _, body = server.post("/v1/lexicons", {"name": "big2", "rules": big}, token=KEY)
+    assert status == 429 and json.loads(body)["error"]["code"] == "rate_limited"
+    status, body = speech(server, input="An okapi.", lexicon=big)
+    assert status == 429 and json.loads(body)["error"]["code"] == "rate_limited"
+    assert len(compile_threads) == 2  # the refused ones cost no compile
+    time.sleep(1.1)
+    assert server.post("/v1/lexicons", {"name": "big2", "rules": big}, token=KEY)[0] == 201
