@@ -12,6 +12,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,7 +77,22 @@ async def read_upload(request: Request, max_bytes: int) -> VoiceUpload:
 class _Utf8FormParser(MultiPartParser):
     """Starlette's parser reads a text field that is not valid UTF-8 as latin-1, silently (a transcript of
     surrogate bytes was stored and spoken as other text); the protocol's strings are valid Unicode, so such a field
-    is a malformed form."""
+    is a malformed form. And it returns the parts that ended when the body stops before the closing boundary,
+    dropping the cut one (a voice was stored without the transcript cut off): a form cut short is malformed too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._closed = False  # the closing boundary has come
+
+    async def parse(self) -> FormData:
+        form = await super().parse()
+        if not self._closed:
+            await form.close()
+            raise MultiPartException("the body ends before the form's closing boundary: it was cut short")
+        return form
+
+    def on_end(self) -> None:
+        self._closed = True
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         """Starlette's message for a long text field names no field ("Part exceeded maximum size of 16KB"): a

@@ -472,3 +472,19 @@ def test_a_reference_audio_sent_without_a_filename_is_named_in_its_error(hostile
     message = response.json()["error"]["message"]
     assert response.status_code == 400 and error_code(response) == "invalid_message"
     assert "'audio'" in message and "file part" in message, message
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(3, 400))
+def test_a_form_cut_short_is_malformed_not_stored_without_its_last_part(hostile_server, cut, one_thread):
+    """A body that stops before the form's closing boundary (wherever the cut falls in the last parts) was stored
+    from the parts that had ended: a clone voice without the transcript that was cut off. It is a malformed form.
+    (Its last 2 bytes, the CRLF after the closing `--`, are not part of the boundary: without them it is whole.)"""
+    form = httpx.Request("POST", hostile_server.http + "/v1/audio/voices",
+                         data={"name": "cut", "transcript": "What I say in it, every word of it."},
+                         files={"audio": ("reference.wav", wav(), "audio/wav")})
+    body = form.read()
+    response = httpx.post(hostile_server.http + "/v1/audio/voices", content=body[:len(body) - cut],
+                          headers={"Content-Type": form.headers["Content-Type"]}, timeout=120)
+    assert response.status_code == 400 and error_code(response) == "invalid_message", response.text
+    assert httpx.get(hostile_server.http + "/v1/audio/voices/cut").status_code == 404
