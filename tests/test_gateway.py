@@ -596,14 +596,15 @@ NOTHING_TO_SAY = st.text(st.sampled_from(list(".,!?;:-\u2014()\"' \n\t_*~`#") + 
 @example(text="\u0301" * 150)  # combining marks alone were 45 s of noise
 def test_text_with_no_letter_or_digit_is_empty_on_the_socket_and_over_http(server, text):
     """Punctuation, marks, spaces, zero-width, control characters and emoji alone have nothing to say: the context
-    gets empty_text and no audio (they were spoken as noise, though emoji alone were already empty), and the speech
-    endpoint answers 400 empty_text."""
+    gets empty_text, answering its context.end's event_id (the message that found it empty), and no audio (they
+    were spoken as noise, though emoji alone were already empty), and the speech endpoint answers 400 empty_text."""
     async def go():
         conn = await session(server)
-        await conn.send(type="text.append", context_id="n", text=text)
-        events = await speak(conn, "n", [])
-        errors = [e for e in events if e["type"] == "error"]
-        assert [e["code"] for e in errors] == ["empty_text"] and events[-1]["type"] == "context.done", events[-3:]
+        await conn.send(type="text.append", context_id="n", text=text, event_id="text")
+        await conn.send(type="context.end", context_id="n", event_id="end")
+        events = await conn.until(done_of("n"))
+        errors = [(e["code"], e.get("event_id")) for e in events if e["type"] == "error"]
+        assert errors == [("empty_text", "end")] and events[-1]["type"] == "context.done", events[-3:]
         assert not any(e["type"] == "binary" and e["payload"] for e in events)
         await conn.ws.close()
     run(go())

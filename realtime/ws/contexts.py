@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from engine.errors import EmptyText, VoxgateError
 from realtime.audio.formats import MODEL_SAMPLE_RATE, EncodedFrame
 from realtime.errors import engine_error
 from realtime.metrics import Metrics
@@ -189,9 +190,15 @@ class SessionContext:
         if frames or self.framer.sent_first:
             self._queue_frames(frames, last=True)
         if end.reason == "error":
-            refused_by = self.refused_event_id if self.refused_event_id is not None else self.text_event_id
-            self._queue_error(engine_error(end.error, self.context_id), refused_by if self.speech.refused else None)
+            self._queue_error(engine_error(end.error, self.context_id), self._answered_by(end.error))
         self._queue_done()
+
+    def _answered_by(self, error: VoxgateError | None) -> Any:
+        """The event_id of the message a context's error answers: the text that took it past the limit, or the end
+        of a context with nothing to say (`empty_text`); an engine's failure answers no message."""
+        if self.speech.refused:
+            return self.refused_event_id if self.refused_event_id is not None else self.text_event_id
+        return self.end_event_id if isinstance(error, EmptyText) else None
 
     def _end_failed(self, failure: Exception) -> None:
         if self.cancelled:
