@@ -477,3 +477,19 @@ def test_a_bitrate_another_encoding_ignored_does_not_follow_into_opus() -> None:
     config, refused = configure(SessionConfig(), {"audio": {"bitrate": 32000}})
     config, refused = configure(config, {"audio": {"encoding": "opus", "sample_rate": 48000}})
     assert not refused and config.audio.bitrate == 32000  # one in range is kept
+
+
+@pytest.mark.parametrize("fields", [
+    {"audio": {"encoding": None}}, {"audio": {"frame_ms": None}}, {"audio": {"sample_rate": None}},
+    {"audio": {"bitrate": None}}, {"text": {"buffering": None}}, {"text": {"max_buffer_delay_ms": None}},
+    {"transport": {"audio": None}},
+], ids=lambda fields: ".".join(f"{k}.{next(iter(v))}" for k, v in fields.items()))
+def test_a_null_config_field_is_not_given(fields):
+    """Null means "not given" in every field of session.start (a client serialising its unset options as null):
+    the value before stays. `frame_ms`, `encoding`, `buffering`, the delay and `transport.audio` refused it."""
+    from realtime.ws.protocol import SessionConfig, configure
+
+    before, _ = configure(SessionConfig(), {"audio": {"encoding": "pcm_s16le", "frame_ms": 40},
+                                            "text": {"buffering": "none"}, "transport": {"audio": "json"}})
+    after, refused = configure(before, fields)
+    assert not refused and after == before

@@ -667,7 +667,8 @@ def test_disconnect_mid_stream_frees_the_engine_at_once(server):
     run(go())
 
 
-def test_ping_keepalive_and_graceful_close(server):
+@pytest.mark.parametrize("mode", ["graceful", None], ids=["graceful", "null-is-not-given"])
+def test_ping_keepalive_and_graceful_close(server, mode):
     async def go():
         conn = await session(server)
         await conn.send(type="keepalive")
@@ -675,9 +676,10 @@ def test_ping_keepalive_and_graceful_close(server):
         pong = (await conn.until(lambda e: e["type"] == "pong"))[-1]
         assert pong["id"] == "p1" and pong["server_time_ms"] > 0
         await conn.send(type="text.append", context_id="g", text="Finish me.")
-        await conn.send(type="session.close", mode="graceful")
+        await conn.send(type="session.close", mode=mode)
         events = await conn.until(lambda e: e["type"] == "session.closed")
         assert any(e["type"] == "context.done" and e["context_id"] == "g" for e in events)
+        assert not [e for e in events if e["type"] == "error"], events
         with pytest.raises(ConnectionClosed) as closed:
             await conn.next(timeout=10)
         assert closed.value.rcvd.code == 1000

@@ -327,7 +327,7 @@ def _check_fields(message: dict[str, Any], schemas: dict[str, dict[str, tuple[tu
             raise ProtocolError("invalid_message", f"{kind}: field {name!r} must be {expected}", context_id=context_id)
         if types is not _ANY:
             check_limit(name, value, f"{kind}: ", context_id)
-    if kind == "session.close" and message.get("mode", "graceful") not in ("graceful", "abort"):
+    if kind == "session.close" and message.get("mode") not in (None, "graceful", "abort"):  # null: absent
         raise ProtocolError("invalid_message", "session.close: mode must be \"graceful\" or \"abort\"")
 
 
@@ -428,7 +428,7 @@ def _apply(config: SessionConfig, fields: dict[str, Any], checks: SessionChecks 
     if fields.get("audio") is not None:
         config = replace(config, audio=_audio(config.audio, _object(fields["audio"], "audio")))
     if fields.get("transport") is not None:
-        transport = _object(fields["transport"], "transport").get("audio", config.transport)
+        transport = _given(_object(fields["transport"], "transport"), "audio", config.transport)
         if not isinstance(transport, str) or transport not in TRANSPORTS:
             raise ProtocolError("invalid_config", f"transport.audio must be one of: {', '.join(TRANSPORTS)}")
         config = replace(config, transport=transport)
@@ -464,8 +464,14 @@ def _object(value: Any, name: str) -> dict[str, Any]:
     return value
 
 
+def _given(fields: dict[str, Any], name: str, default: Any) -> Any:
+    """A field's value; absent or null, `default` (null means "not given", as for every optional field)."""
+    value = fields.get(name)
+    return default if value is None else value
+
+
 def _audio(current: AudioFormat, fields: dict[str, Any]) -> AudioFormat:
-    encoding = fields.get("encoding", current.encoding)
+    encoding = _given(fields, "encoding", current.encoding)
     if not isinstance(encoding, str) or len(encoding) > MAX_NAME_CHARS:
         raise ProtocolError("invalid_config", "audio.encoding must be a string naming an encoding")
     rate = fields.get("sample_rate")
@@ -475,7 +481,7 @@ def _audio(current: AudioFormat, fields: dict[str, Any]) -> AudioFormat:
     if bitrate is None:  # kept from before; one another encoding ignored does not follow into opus
         low, high = OPUS_BITRATES
         bitrate = current.bitrate if encoding != "opus" or low <= current.bitrate <= high else AudioFormat().bitrate
-    values = dict(encoding=encoding, sample_rate=rate, frame_ms=fields.get("frame_ms", current.frame_ms),
+    values = dict(encoding=encoding, sample_rate=rate, frame_ms=_given(fields, "frame_ms", current.frame_ms),
                   bitrate=bitrate)
     for name, value in values.items():
         wanted = str if name == "encoding" else int
@@ -493,10 +499,10 @@ def _audio(current: AudioFormat, fields: dict[str, Any]) -> AudioFormat:
 
 
 def _text(config: SessionConfig, fields: dict[str, Any]) -> SessionConfig:
-    buffering = fields.get("buffering", config.buffering)
+    buffering = _given(fields, "buffering", config.buffering)
     if not isinstance(buffering, str) or buffering not in BUFFERING:
         raise ProtocolError("invalid_config", f"text.buffering must be one of: {', '.join(BUFFERING)}")
-    delay = fields.get("max_buffer_delay_ms", config.max_buffer_delay_ms)
+    delay = _given(fields, "max_buffer_delay_ms", config.max_buffer_delay_ms)
     if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= 10000:
         raise ProtocolError("invalid_config", "text.max_buffer_delay_ms must be a number from 0 to 10000")
     return replace(config, buffering=buffering, max_buffer_delay_ms=int(delay))

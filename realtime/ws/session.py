@@ -335,7 +335,7 @@ class Session:
     def _on_session_close(self, message: dict[str, Any]) -> None:
         """Graceful: the open contexts finish, then the close; abort (also during a graceful close): they stop. A
         second graceful close is refused like any message after the first: its `session.closed` answers the first."""
-        if message.get("mode", "graceful") == "abort":
+        if message.get("mode") == "abort":
             self.contexts.cancel_all("client")
         elif self.closing:
             raise ProtocolError("invalid_message", "the session is already closing; session.close{mode: \"abort\"} "
