@@ -157,8 +157,8 @@ class ChatSocket:
             reason = "error"
             log.exception("chat %s: internal error", request.id)
             await self._error(ProtocolError("internal", "internal server error"), request.id)
-        if session.context_open(context_id):  # what the LLM wrote is spoken to its end
-            session.end_context(context_id)
+        if session.context_open(context_id) and not session.context_ended(context_id):  # spoken to its end
+            session.end_context(context_id)  # (one the client ended refused the turn's text: its error said so)
         await self._send(event("chat.done", id=request.id, text=reply, reason=reason))
 
     async def _error(self, failure: ProtocolError, request_id: str | None = None) -> None:

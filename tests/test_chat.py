@@ -132,6 +132,30 @@ def test_the_reply_streams_to_the_page_and_is_spoken_as_it_arrives(server, llm):
     asyncio.run(go())
 
 
+def test_a_turn_for_a_context_the_client_ended_is_refused_once_and_leaves_it_speaking(server, llm):
+    """A chat.request naming a context the audio socket has ended (still speaking): the turn's text is refused with
+    one context_closed on the audio socket (its end was a second one), the turn ends `error`, and the client's
+    context speaks to its own end."""
+    async def go():
+        tts, session_id, chat, _ = await open_pair(server)
+        await tts.send(json.dumps({"type": "text.append", "context_id": "c", "text": "The client's own words."}))
+        await tts.send(json.dumps({"type": "context.end", "context_id": "c"}))
+        await ask(chat, session_id, "r1", "c")
+        done = (await until(chat, lambda e: e["type"] == "chat.done"))[-1]
+        spoken = await until(tts, lambda e: e["type"] == "context.done")
+        await asyncio.sleep(0.5)  # a second error would follow the first at once
+        await tts.send(json.dumps({"type": "ping", "id": 1}))
+        spoken += await until(tts, lambda e: e["type"] == "pong")
+        await tts.close()
+        await chat.close()
+        return done, spoken
+
+    done, spoken = asyncio.run(go())
+    assert done["reason"] == "error"
+    assert [(e["code"], e.get("context_id")) for e in spoken if e["type"] == "error"] == [("context_closed", "c")]
+    assert [e for e in spoken if e["type"] == "context.done"][0]["audio_ms"] > 0
+
+
 def test_cancelling_the_context_on_the_audio_socket_stops_the_llm(server, long_reply):
     async def go():
         tts, session_id, chat, _ = await open_pair(server)

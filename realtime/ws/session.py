@@ -189,6 +189,11 @@ class Session:
     def context_open(self, context_id: str) -> bool:
         return not self.closed and self.contexts.is_open(context_id)
 
+    def context_ended(self, context_id: str) -> bool:
+        """An open context whose `context.end` has come: it speaks to its end and takes nothing more."""
+        context = self.contexts.open.get(context_id)
+        return context is not None and context.ended
+
     def takes_text_for(self, context_id: str) -> bool:
         """Whether text for this context would still be spoken (it is open or not yet created)."""
         return not self.closed and self.contexts.takes_text_for(context_id)
