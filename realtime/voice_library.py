@@ -109,7 +109,8 @@ class _Utf8FormParser(MultiPartParser):
             try:
                 part.data.decode("utf-8")
             except UnicodeDecodeError:
-                raise MultiPartException("a text field is not valid UTF-8") from None
+                raise MultiPartException(f"the text field {part.field_name!r} is not valid UTF-8; a reference audio "
+                                         "is sent as a file part (with a filename)") from None
         super().on_part_end()
 
 

@@ -359,7 +359,7 @@ def test_a_text_field_that_is_not_utf8_is_a_malformed_form(hostile_server, field
     response = httpx.post(hostile_server.http + "/v1/audio/voices", content=body,
                           headers={"Content-Type": form.headers["Content-Type"]}, timeout=120)
     assert response.status_code == 400 and error_code(response) == "invalid_message", response.text
-    assert "UTF-8" in response.json()["error"]["message"]
+    assert f"text field {field!r} is not valid UTF-8" in response.json()["error"]["message"]
     assert httpx.get(hostile_server.http + "/v1/audio/voices/strict").status_code == 404
 
 
