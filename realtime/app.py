@@ -103,6 +103,7 @@ def create_app(gateway: Gateway) -> Starlette:
         async def handle() -> Response:
             if request.method != "POST":  # GET, and the HEAD that starlette adds to every GET route
                 return JSONResponse({"voices": gateway.library.voices()})
+            gateway.library.check_model()  # before the body (up to 16 MiB) is read
             upload = await read_upload(request, gateway.limits.max_voice_upload_bytes)
             created = await gateway.library.create(upload)
             return JSONResponse(created, 201, headers={"Location": f"/v1/audio/voices/{created['id']}"})

@@ -183,12 +183,17 @@ class VoiceLibrary:
         await asyncio.to_thread(self.store.delete, voice_id)
         return {"id": voice_id, "deleted": True}
 
-    def _check(self, upload: VoiceUpload) -> None:
-        """Everything that can be told before any decoding: the model, the name, the fields, the count."""
+    def check_model(self) -> None:
+        """Raises unsupported_model for a model that makes no voices: told before an upload's body is read."""
         variant = self.catalog.variant
         if variant not in UPLOAD_VARIANTS or self.store is None:
             raise voice_failure("unsupported_model", f"this {variant} model cannot make voices: uploads need a Base "
                                                      "model (cloning) or a VoiceDesign model (an instruction)")
+
+    def _check(self, upload: VoiceUpload) -> None:
+        """Everything that can be told before any decoding: the model, the name, the fields, the count."""
+        self.check_model()
+        variant = self.catalog.variant
         if not NAME_PATTERN.fullmatch(upload.name):
             raise voice_failure("invalid_message", f"name {upload.name[:64]!r} is not a voice id: 1 to 64 letters, "
                                                    "digits, '_', '-' or '.', starting with a letter or digit")

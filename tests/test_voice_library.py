@@ -264,6 +264,14 @@ def test_models_that_cannot_make_voices_and_voice_design(tiny_checkpoints, tmp_p
         refused = upload(server, "alice", wav())
         assert (refused.status_code, error_code(refused)) == (400, "unsupported_model")
         assert json.loads(server.get("/v1/audio/voices")[1]) == {"voices": []}
+        port = int(server.http.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:  # told before the body is read
+            connection.sendall(b"POST /v1/audio/voices HTTP/1.1\r\nHost: test\r\nContent-Length: 10000000\r\n"
+                               b"Content-Type: multipart/form-data; boundary=b\r\n\r\n--b\r\n")
+            answer = b""
+            while not answer.rstrip().endswith(b"}"):
+                answer += connection.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 400") and b"unsupported_model" in answer, answer[:300]
     data_dir = tmp_path / "vd"
     with running_server(model=tiny_checkpoints["voice_design"], data_dir=data_dir) as server:
         created = upload(server, "narrator", instruction="A calm, low narrator's voice.")
