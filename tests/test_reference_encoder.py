@@ -1,6 +1,7 @@
 """Reference-audio encoder (Mimi, encoder half) against the reference qwen-tts speech tokenizer, and audio loading."""
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -24,7 +25,6 @@ from safetensors.torch import load_file
 from engine.checkpoint import load_module
 from engine.config import parse_speech_tokenizer_config, read_json
 from engine.errors import AudioInputError, CheckpointError
-from engine.model import reference_encoder
 from engine.model.reference_encoder import ReferenceEncoder, decode_reference_audio, load_reference_audio, resample
 from engine.synthetic.configs import SPEECH_PREPROCESSOR, speech_tokenizer_config
 
@@ -206,16 +206,35 @@ def test_reference_audio_that_is_not_speech_is_refused(tmp_path, rate, peak, ref
             load_reference_audio(path)
 
 
-@pytest.mark.parametrize("channels", [1, 2, 8])
-def test_a_file_is_mixed_to_mono_a_block_at_a_time_as_if_whole(tmp_path, channels, monkeypatch):
-    """Blocks of a few frames (the real ones are DECODE_BLOCK_FRAMES) give exactly the whole file's channel mean."""
-    monkeypatch.setattr(reference_encoder, "DECODE_BLOCK_FRAMES", 7)
+@pytest.mark.parametrize("channels", [1, 2, 8, 9])
+def test_a_file_of_up_to_8_channels_is_mixed_to_mono_and_more_are_refused(tmp_path, channels):
+    """A file is decoded whole, all its channels at once: past 8 (7.1) it is refused before decoding (an Ogg Vorbis
+    file may have 255: a small upload would expand to gigabytes)."""
     rng = np.random.default_rng(channels)
     audio = rng.uniform(-0.5, 0.5, (16000, channels)).astype(np.float32)
     path = tmp_path / "multi.wav"
     sf.write(path, audio, 16000, subtype="FLOAT")
-    mono, rate = decode_reference_audio(path.read_bytes(), "upload")
+    if channels > 8:
+        with pytest.raises(AudioInputError, match="has 9 channels; at most 8"):
+            decode_reference_audio(path.read_bytes(), "upload")
+        return
+    mono, _ = decode_reference_audio(path.read_bytes(), "upload")
     np.testing.assert_array_equal(mono, audio.mean(axis=1) if channels > 1 else audio[:, 0])
+
+
+def test_a_file_shorter_than_its_header_says_gives_only_what_it_holds():
+    """An MP3 cut in half still says its whole length in its header: the samples are what decodes, no more (reading
+    by the header's count padded the rest with the read buffer's stale samples, which became part of the voice)."""
+    rate = 44100
+    signal = (0.3 * np.sin(2 * np.pi * 220 * np.arange(6 * rate) / rate)).astype(np.float32)
+    whole = io.BytesIO()
+    sf.write(whole, np.stack([signal, 0.5 * signal], axis=1), rate, format="MP3")
+    cut = whole.getvalue()[:len(whole.getvalue()) // 2]
+    with sf.SoundFile(io.BytesIO(cut)) as file:
+        header_frames, held = file.frames, file.read(dtype="float32", always_2d=True)
+    assert len(held) < header_frames  # the header says more than there is
+    mono, _ = decode_reference_audio(cut, "upload")
+    np.testing.assert_array_equal(mono, held.mean(axis=1))
 
 
 def test_load_reference_audio_errors(tmp_path):

@@ -36,9 +36,11 @@ from engine.model.layers import LayerScale, RotaryEmbedding, apply_rope, repeat_
 MIN_REFERENCE_SECONDS = 0.5
 MIN_REFERENCE_RATE = 8000  # telephone speech; below it there is no voice to clone (a 2-sample, 1 Hz WAV was taken)
 MAX_REFERENCE_PEAK = 2.0  # float audio a little past full scale is taken as it is; 1e6 is not audio
-# the highest studio rate: a 165 KB FLAC of 8 channels at 655 kHz decoded to 600 MB of samples (a hostile upload)
+# A file is decoded whole, all its channels: a 165 KB FLAC of 8 channels at 655 kHz decoded to 600 MB (a hostile
+# upload; an Ogg Vorbis file may have 255 channels). With at most the highest studio rate and 8 channels (7.1), a
+# 30 s upload decodes to at most 184 MB. (Decoding block by block is not the same: libsndfile's MP3 reads differ.)
 MAX_REFERENCE_RATE = 192_000
-DECODE_BLOCK_FRAMES = 65_536  # decoded and mixed to mono a block at a time: never all channels of a file at once
+MAX_REFERENCE_CHANNELS = 8
 CHECKPOINT_PREFIX = "encoder."
 
 
@@ -62,28 +64,32 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
                            max_seconds: float | None = None) -> tuple[np.ndarray, int]:
     """A file or its bytes (WAV, FLAC, OGG, MP3, ... whatever libsndfile reads) as mono float32 and its rate.
 
-    Raises UnreadableAudio (not decodable, no samples, NaN or infinite samples, a rate outside speech's),
+    Raises UnreadableAudio (not decodable, no samples, NaN or infinite samples, a rate or channels past the caps),
     ReferenceTooShort (under `min_seconds`, at least MIN_REFERENCE_SECONDS) and ReferenceTooLong (over `max_seconds`,
-    told from the header before decoding, so that a small compressed file cannot expand into minutes of samples);
-    `name` starts each message. Memory stays near the mono result's, whatever the channels."""
+    told from the header before decoding, so that a small compressed file cannot expand into minutes of samples; with
+    the caps on rate and channels, a bounded decode); `name` starts each message."""
     try:
         with sf.SoundFile(io.BytesIO(source) if isinstance(source, bytes) else str(source)) as file:
             rate = int(file.samplerate)
             if rate > MAX_REFERENCE_RATE:
                 raise UnreadableAudio(f"{name} has a sample rate of {rate} Hz; at most {MAX_REFERENCE_RATE} Hz is "
                                       "taken")
+            if file.channels > MAX_REFERENCE_CHANNELS:
+                raise UnreadableAudio(f"{name} has {file.channels} channels; at most {MAX_REFERENCE_CHANNELS} are "
+                                      "taken")
             if max_seconds is not None and file.frames / rate > max_seconds:
                 raise ReferenceTooLong(f"{name} is too long ({file.frames / rate:.1f} s); at most {max_seconds:g} s "
                                        "is taken")
-            mono = _read_mono(file)
+            audio = file.read(dtype="float32", always_2d=True)
     except AudioInputError:
         raise
     except Exception as exc:  # libsndfile raises several types (LibsndfileError, RuntimeError, TypeError)
         # LibsndfileError's own words, without its "Error opening <object at 0x...>: " prefix
         reason = getattr(exc, "error_string", None) or str(exc)
         raise UnreadableAudio(f"cannot read {name}: {reason}") from exc
-    if mono.size == 0:
+    if audio.size == 0:
         raise UnreadableAudio(f"{name} is empty (no samples)")
+    mono = audio.mean(axis=1) if audio.shape[1] > 1 else audio[:, 0]
     seconds = mono.size / rate
     if seconds < max(min_seconds, MIN_REFERENCE_SECONDS):
         raise ReferenceTooShort(f"{name} is too short ({seconds:.2f} s); at least "
@@ -97,14 +103,6 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
         raise UnreadableAudio(f"{name} has samples up to {peak:.3g}: audio is within [-1, 1] (at most "
                               f"{MAX_REFERENCE_PEAK:g} is taken)")
     return np.ascontiguousarray(mono, dtype=np.float32), rate
-
-
-def _read_mono(file: sf.SoundFile) -> np.ndarray:
-    """The file's samples (as many as its header says: libsndfile reads no further), each block's channels averaged
-    as it is decoded: the same values as averaging the whole file's."""
-    blocks = [block.mean(axis=1) if block.shape[1] > 1 else block[:, 0].copy()
-              for block in file.blocks(blocksize=DECODE_BLOCK_FRAMES, dtype="float32", always_2d=True)]
-    return np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
 
 
 def to_mono(audio: np.ndarray) -> np.ndarray:
