@@ -192,7 +192,7 @@ class Tries:
             return count.size - count.counted if count is not None else 0
 
     def unstore(self, rules: tuple[Rule, ...]) -> None:
-        """A stored lexicon's rules left the store: their trie, while alive, counts against `max_nodes` from now."""
+        """Rules no stored lexicon has (any more): their trie, while alive, counts against `max_nodes` from now."""
         with self._lock:
             count = self._counts.get(rules)
             if count is not None and not count.counted:
@@ -409,25 +409,32 @@ class LexiconStore:
 
     def put(self, name: Any, rules: Any) -> tuple[Lexicon, bool]:
         """Store (or replace) a lexicon; returns it and whether it is new. `rules`: a client's, or what `compiled`
-        made of them under this name. Raises LexiconError, or StoreFull."""
-        self.check_room(name)
+        made of them under this name. Raises LexiconError, StoreFull or LexiconsBusy; a lexicon compiled for it and
+        refused then counts against the bound on tries like any the store does not hold."""
+        check_name(name)
         lexicon = self.resolve(rules) if isinstance(rules, Lexicon | LexiconError) else parse_rules(rules, name)
         if lexicon.name != name:
             raise ValueError(f"a lexicon compiled as {lexicon.name!r} stored as {name!r}")
+        try:
+            self.check_room(name)  # (again, for a compile off the loop: other requests may have stored meanwhile)
+        except LexiconError:
+            if all(other.rules != lexicon.rules for other in self._lexicons.values()):
+                TRIES.unstore(lexicon.rules)
+            raise
         replaced = self._lexicons.get(name)
-        leaving = replaced is not None and replaced.rules != lexicon.rules and self._sole(replaced)
-        # while tries that left the store fill the bound (sessions hold them), storing waits: replacing or deleting
-        # a name again and again, each taken by sessions, would otherwise grow memory without end
-        TRIES.check_room(TRIES.uncounted(replaced.rules) if leaving else 0)
         self._lexicons[name] = lexicon
-        if leaving:
+        if replaced is not None and self._leaves(replaced):
             TRIES.unstore(replaced.rules)
         return lexicon, replaced is None
 
     def check_room(self, name: Any) -> None:
-        """Raises LexiconError for a bad name, StoreFull where storing `name` would pass the capacity."""
+        """Raises LexiconError for a bad name, StoreFull where storing `name` would pass the capacity, LexiconsBusy
+        while tries that left the store fill the bound (sessions hold them): replacing or deleting a name again and
+        again, each taken by sessions, would otherwise grow memory without end. Checked before a compile, and after."""
         if check_name(name) not in self._lexicons and len(self._lexicons) >= self.capacity:
             raise StoreFull(f"at most {self.capacity} lexicons are stored; delete one first")
+        replaced = self._lexicons.get(name)
+        TRIES.check_room(TRIES.uncounted(replaced.rules) if replaced is not None and self._leaves(replaced) else 0)
 
     def get(self, name: str) -> Lexicon:
         lexicon = self._lexicons.get(name)
@@ -438,13 +445,13 @@ class LexiconStore:
     def delete(self, name: str) -> None:
         """Always done: the trie that leaves, if sessions hold it, may take the bound past full (storing waits)."""
         lexicon = self.get(name)
-        if self._sole(lexicon):
-            TRIES.unstore(lexicon.rules)
         del self._lexicons[name]
+        if self._leaves(lexicon):
+            TRIES.unstore(lexicon.rules)
 
-    def _sole(self, lexicon: Lexicon) -> bool:
-        """No other name stores the same rules (else its trie stays the store's)."""
-        return sum(other.rules == lexicon.rules for other in self._lexicons.values()) <= 1
+    def _leaves(self, lexicon: Lexicon) -> bool:
+        """No name but its own stores these rules: once it is replaced or deleted, its trie is not the store's."""
+        return sum(other.rules == lexicon.rules for other in self._lexicons.values() if other is not lexicon) == 0
 
     def names(self) -> list[str]:
         return list(self._lexicons)

@@ -308,3 +308,24 @@ def test_a_stored_lexicon_replaced_or_deleted_while_in_use_counts_and_storing_wa
         store.put("M", rules(4))
         same = store.put("M", rules(4))[0]  # the same rules again: nothing leaves the store
         assert tries.nodes == 0 and same.rules == store.get("M").rules
+
+
+def test_a_lexicon_compiled_for_the_store_and_refused_there_counts_against_the_bound():
+    """A POST compiles its rules (off the loop) before storing them; refused then (the bound filled, or the store,
+    meanwhile), its trie was in no store and counted nowhere, and an inline lexicon of the same rules shared it for
+    free: repeated, memory past the bound (the review's finding). Refused, it counts like any trie not stored."""
+    tries = Tries(max_nodes=40, keep=0)
+    rules = [{"term": "x" * 30, "replacement": "y"}]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lexicon_module, "TRIES", tries)
+        store = LexiconStore()
+        held = parse_rules([{"term": "z" * 30, "replacement": "y"}])  # an inline lexicon fills most of the bound
+        compiled = parse_rules(rules, name="L")  # compiled for the store: not counted yet
+        assert tries.nodes == nodes_of(held._root)
+        store.put("L", compiled)  # stored: still the store's
+        assert tries.nodes == nodes_of(held._root)
+        replacement = parse_rules([{"term": "w" * 30, "replacement": "y"}], name="L")
+        with pytest.raises(LexiconsBusy):  # the one it replaces would leave the store into a full bound
+            store.put("L", replacement)
+        assert tries.nodes == nodes_of(held._root) + nodes_of(replacement._root)  # the refused one counts now
+        assert store.get("L") is compiled
