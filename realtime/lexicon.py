@@ -418,7 +418,7 @@ class LexiconStore:
         try:
             self.check_room(name)  # (again, for a compile off the loop: other requests may have stored meanwhile)
         except LexiconError:
-            if all(other.rules != lexicon.rules for other in self._lexicons.values()):
+            if self._leaves(lexicon):  # compiled for the store, and the store does not hold its rules
                 TRIES.unstore(lexicon.rules)
             raise
         replaced = self._lexicons.get(name)
@@ -451,7 +451,7 @@ class LexiconStore:
 
     def _leaves(self, lexicon: Lexicon) -> bool:
         """No name but its own stores these rules: once it is replaced or deleted, its trie is not the store's."""
-        return sum(other.rules == lexicon.rules for other in self._lexicons.values() if other is not lexicon) == 0
+        return not any(other.rules == lexicon.rules for other in self._lexicons.values() if other is not lexicon)
 
     def names(self) -> list[str]:
         return list(self._lexicons)

@@ -187,14 +187,7 @@ def poisson_workload(rate: float, duration: float, seed: int, streaming_text: bo
     text comes like an LLM's: first token after 100-300 ms, then 20-80 tokens/s (each gap within +-50% of the
     mean) in random pieces of 1-4 tokens, one token per ~3 frames of speech."""
     rng = random.Random(seed)
-    arrivals = []
-    for t in poisson_times(rng, rate, duration):
-        frames = round(min(12.0, max(2.0, rng.gauss(6.0, 2.5))) / FRAME_SECONDS)
-        times: tuple[float, ...] = ()
-        if streaming_text:
-            times = llm_token_times(rng, t, math.ceil(frames / 3), rng.uniform(*tokens_per_second))
-        arrivals.append(Arrival(t, frames, times))
-    return arrivals
+    return [_utterance(rng, t, streaming_text, tokens_per_second) for t in poisson_times(rng, rate, duration)]
 
 
 def burst_workload(sessions: int, seed: int, tokens_per_second: tuple[float, float] = (20.0, 80.0),
@@ -202,13 +195,17 @@ def burst_workload(sessions: int, seed: int, tokens_per_second: tuple[float, flo
     """`sessions` voice-chat sessions opened in the same instant (a server's start, a reconnect storm): each opens
     within `connect_s`, then its first answer streams like an LLM's (`poisson_workload`'s text), 2-12 s of speech."""
     rng = random.Random(seed)
-    arrivals = []
-    for _ in range(sessions):
-        t = rng.uniform(0.0, connect_s)
-        frames = round(min(12.0, max(2.0, rng.gauss(6.0, 2.5))) / FRAME_SECONDS)
-        times = llm_token_times(rng, t, math.ceil(frames / 3), rng.uniform(*tokens_per_second))
-        arrivals.append(Arrival(t, frames, times))
-    return arrivals
+    return [_utterance(rng, rng.uniform(0.0, connect_s), True, tokens_per_second) for _ in range(sessions)]
+
+
+def _utterance(rng: random.Random, at: float, streaming_text: bool,
+               tokens_per_second: tuple[float, float]) -> Arrival:
+    """One request arriving `at`: 2-12 s of speech, its text all at once or streamed like an LLM's."""
+    frames = round(min(12.0, max(2.0, rng.gauss(6.0, 2.5))) / FRAME_SECONDS)
+    times: tuple[float, ...] = ()
+    if streaming_text:
+        times = llm_token_times(rng, at, math.ceil(frames / 3), rng.uniform(*tokens_per_second))
+    return Arrival(at, frames, times)
 
 
 def poisson_times(rng: random.Random, rate: float, duration: float) -> Iterator[float]:
