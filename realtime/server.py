@@ -1,8 +1,7 @@
 """Running the app under uvicorn: WebSocket compression off, the message size limit, pings for dead peers, a write
 buffer that a pong and a blocked send can wait on together, and a shutdown that lets sessions finish or cancel their
-contexts before uvicorn closes the sockets. The transport guards what uvicorn leaves open: a deadline for each
-request's headers (silent and slow-loris connections), a cap on open connections, and logs that never hold an API
-key."""
+contexts before uvicorn closes the sockets (HTTP/1.1's guards: `realtime.http_transport`), and logs that never
+hold an API key."""
 from __future__ import annotations
 
 import asyncio
@@ -16,15 +15,13 @@ from collections import deque
 from typing import Any
 from urllib.parse import unquote_plus
 
-import h11
-from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn sizes its own connection
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.errors import VoxgateError
 from realtime.app import WEB_DIR, create_app, drain_sessions
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway, GatewayOptions, check_options
+from realtime.http_transport import GuardedH11Protocol
 
 # uvicorn's legacy websockets protocol, on purpose: its sans-I/O one (uvicorn 0.54) closes the TCP connection right
 # after the 1009 close frame of an oversized message while the client is still sending, so the client gets a reset
@@ -201,143 +198,9 @@ PING_TIMEOUT_S = 20.0
 LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "voxgate")
 
 
-def _closing_response(failure: HTTPFailure, reason: str) -> bytes:
-    """A whole HTTP/1.1 response written before the app sees the request: the API's JSON error, then the close."""
-    body = json.dumps(failure.body()).encode()
-    head = (f"HTTP/1.1 {failure.status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
-    return head.encode() + body
-
-
-_OVER_CAPACITY = _closing_response(HTTPFailure(503, "overloaded", "too many open connections; try again later"),
-                                   "Service Unavailable")
-_MALFORMED = _closing_response(HTTPFailure(400, "invalid_message", "malformed HTTP/1.1 request: its request line, a "
-                                                                   "header or its Content-Length cannot be parsed"),
-                               "Bad Request")
-_FRAMED_TWICE = _closing_response(HTTPFailure(400, "invalid_message", "the request gives both Content-Length and "
-                                                                      "Transfer-Encoding: frame its body one way"),
-                                  "Bad Request")
-
-
-class _OneBodyFraming(h11.Connection):
-    """h11 with one refusal more. A request with both Transfer-Encoding and Content-Length "ought to be handled as an
-    error" (RFC 9112, 6.3): h11 read the chunked body and ignored the length, and a proxy in front that read the
-    length instead would take the rest for another request (request smuggling)."""
-
-    def __init__(self, max_incomplete_event_size: int) -> None:
-        super().__init__(h11.SERVER, max_incomplete_event_size)
-        self.refusal: bytes | None = None  # the response a request refused here gets
-
-    def next_event(self) -> Any:
-        event = super().next_event()
-        if isinstance(event, h11.Request):
-            names = {name for name, _ in event.headers}  # h11 gives them lower-cased
-            if b"content-length" in names and b"transfer-encoding" in names:
-                self.refusal = _FRAMED_TWICE
-                raise h11.RemoteProtocolError("Content-Length and Transfer-Encoding together")
-        return event
-
-
 # a parameter's name stops at the next separator (`?` too), so the names tried from each separator never overlap and
 # a line costs linear time: a name that could run on over later `?` made "?" * 15,000 take seconds of the event loop
 _QUERY_PARAM = re.compile(r"([?&;])([^=&;?#\s\"']*)=([^&;#\s\"']*)")
-
-
-# seconds a request body may go without a byte while the server waits to read it; a stalled body is closed (a
-# hostile try held every connection of the server with request headers, one body byte and then nothing)
-BODY_STALL_S = 30.0
-
-
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with three guards it lacks. A request's headers (a WebSocket handshake's included) must
-    be complete within `handshake_timeout_s` of the connection, or of the first byte of a later request on a kept-
-    alive one; a request body must not stop for BODY_STALL_S while the server waits for it (a slow body is fine, a
-    stopped one is not); otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up.
-    Past `max_connections` open connections (HTTP and WebSocket) a new one gets a 503 and is closed at once."""
-
-    def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None, *, handshake_timeout_s: float,
-                 max_connections: int) -> None:
-        super().__init__(config, server_state, app_state, _loop)
-        self.conn = _OneBodyFraming(config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
-        self.handshake_timeout_s = handshake_timeout_s
-        self.max_connections = max_connections
-        self._headers_deadline: asyncio.TimerHandle | None = None
-        self._body_deadline: asyncio.TimerHandle | None = None
-        self._upgraded = False  # the socket belongs to the WebSocket protocol now
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
-            transport.write(_OVER_CAPACITY)
-            transport.close()
-            return
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():  # refused or timed out: nothing more is read
-            return
-        if self.conn.their_state is h11.IDLE:
-            self._arm()
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:
-            self._disarm()
-        self._watch_body()
-
-    def send_400_response(self, msg: str) -> None:
-        """A request h11 cannot parse (or `_OneBodyFraming` refuses) gets the API's JSON error (uvicorn sends plain
-        text), then the close."""
-        self.transport.write(self.conn.refusal or _MALFORMED)
-        self.transport.close()
-
-    def on_response_complete(self) -> None:
-        """A pipelined request, already read, starts here rather than in `data_received`: its body is watched too."""
-        super().on_response_complete()
-        self._watch_body()
-
-    def handle_websocket_upgrade(self, event: h11.Request) -> None:
-        self._disarm()  # the WebSocket protocol takes the socket over: this one hears nothing more
-        self._upgraded = True
-        self._stop_watching_body()
-        super().handle_websocket_upgrade(event)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        self._stop_watching_body()
-        super().connection_lost(exc)
-
-    def _watch_body(self) -> None:
-        """After each piece of a request: while its body is still to come, BODY_STALL_S from now."""
-        self._stop_watching_body()
-        # an upgrade's request never reaches its end in h11 (its state stays SEND_BODY): the WebSocket protocol owns
-        # the socket, and a timer here closed every session BODY_STALL_S after its handshake
-        if self.conn.their_state is h11.SEND_BODY and not self._upgraded and not self.transport.is_closing():
-            self._body_deadline = self.loop.call_later(BODY_STALL_S, self._body_stalled)
-
-    def _stop_watching_body(self) -> None:
-        if self._body_deadline is not None:
-            self._body_deadline.cancel()
-            self._body_deadline = None
-
-    def _body_stalled(self) -> None:
-        self._body_deadline = None
-        if self.flow.read_paused:  # the server is not reading (its buffer is full): the client is not to blame
-            self._watch_body()
-            return
-        self.transport.close()  # the application sees the client gone (ClientDisconnect: counted 499)
-
-    def _arm(self) -> None:
-        if self._headers_deadline is None:
-            self._headers_deadline = self.loop.call_later(self.handshake_timeout_s, self._headers_late)
-
-    def _disarm(self) -> None:
-        if self._headers_deadline is not None:
-            self._headers_deadline.cancel()
-            self._headers_deadline = None
-
-    def _headers_late(self) -> None:
-        self._headers_deadline = None
-        self.transport.close()
 
 
 def redact(text: str) -> str:

@@ -27,6 +27,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from realtime.ws.protocol import ERROR_CODES
+from realtime.http_transport import LINGER_S
 from tests.server_process import ServerProcess, server_process
 
 MAX_MESSAGE_BYTES = 65536
@@ -472,3 +473,43 @@ def test_a_client_that_leaves_mid_body_gets_no_traceback(server, route, sent, mi
         time.sleep(0.05)  # the server reads what came, then waits for the rest
     assert server.get("/health")[0] == 200
     assert server.process.poll() is None
+
+
+def _read_answer(raw: socket.socket) -> tuple[bytes, bytes]:
+    """One HTTP response off the socket (its head and its Content-Length body), no further."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += raw.recv(65536)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += raw.recv(65536)
+    return head, body
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 8, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(["/v1/audio/speech", "/v1/lexicons"]), over=st.integers(1, 2 * 10**6),
+       piece=st.integers(16_384, 65_536), keep_alive=st.booleans())
+def test_a_body_refused_from_its_length_is_read_to_its_end(server, route, over, piece, keep_alive):
+    """A request whose Content-Length passes the limit is answered (413) before its body is read. A client that
+    sends its whole body before it reads (urllib, curl with `Connection: close`) got a reset, not the answer: the
+    server closed with the body still coming. Now it reads the rest of the body, drops it and closes at its end (or,
+    kept alive, serves the next request on the connection)."""
+    declared = MAX_MESSAGE_BYTES + over
+    head = (f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n"
+            + ("" if keep_alive else "Connection: close\r\n") + "\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=EXAMPLE_TIMEOUT_S) as raw:
+        raw.sendall(head.encode())
+        status, body = _read_answer(raw)
+        assert status.startswith(b"HTTP/1.1 413 ") and json.loads(body)["error"]["code"] == "text_too_long"
+        time.sleep(0.02)  # the server has closed by now if it does not linger
+        for start in range(0, declared, piece):
+            raw.sendall(b"a" * min(piece, declared - start))
+        if keep_alive:
+            raw.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_answer(raw)[0].startswith(b"HTTP/1.1 200 ")
+        else:
+            raw.settimeout(LINGER_S / 2)  # closed at the body's end, not when the linger runs out
+            assert raw.recv(1) == b""

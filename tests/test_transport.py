@@ -20,7 +20,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from realtime.gateway import GatewayOptions, Limits
-from realtime import server as server_module
+from realtime import http_transport
 from realtime.server import build_server, redact
 from tests.gateway_server import running_server, serve_in_thread
 
@@ -77,7 +77,7 @@ def test_a_stopped_request_body_is_closed_and_a_slow_one_is_not(server, monkeypa
     """Headers and one byte of a body, then nothing: such connections held every connection of a server (each new
     request, /ready too, got 503) for as long as the client liked. A body that stops for BODY_STALL_S is closed; one
     that keeps coming, however slowly, is read whole."""
-    monkeypatch.setattr(server_module, "BODY_STALL_S", 1.0)
+    monkeypatch.setattr(http_transport, "BODY_STALL_S", 1.0)
     head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
             b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
     with raw_socket(server) as sock:
@@ -93,10 +93,26 @@ def test_a_stopped_request_body_is_closed_and_a_slow_one_is_not(server, monkeypa
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
 
 
+def test_an_answered_request_whose_body_never_ends_lingers_no_longer_than_the_bound(server, monkeypatch):
+    """A request answered before its body (413 from its Content-Length) keeps the connection while the rest of
+    the body comes, so that the client reads the answer; a body that keeps coming, a byte every 0.2 s, holds it no
+    longer than LINGER_S."""
+    monkeypatch.setattr(http_transport, "LINGER_S", 1.0)
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: 100000000\r\n\r\n")
+    with raw_socket(server) as sock:
+        sock.sendall(head)
+        answer = b""
+        while b'"text_too_long"' not in answer:
+            answer += sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        assert 0.9 <= seconds_until_closed(sock, drip=b"a" * 100) <= 1.0 + MARGIN_S
+
+
 def test_a_pipelined_request_whose_body_stops_is_closed_too(server, monkeypatch):
     """A request sent behind another on the same write starts when the first has been answered, not when bytes
     arrive: its stopped body was not watched, and held the connection for good."""
-    monkeypatch.setattr(server_module, "BODY_STALL_S", 1.0)
+    monkeypatch.setattr(http_transport, "BODY_STALL_S", 1.0)
     first = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     stalled = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
                b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
@@ -111,7 +127,7 @@ def test_a_pipelined_request_whose_body_stops_is_closed_too(server, monkeypatch)
 def test_a_websocket_session_outlives_the_body_stall_bound(server, monkeypatch):
     """An upgrade's request stays in h11's body state: the body guard closed every session BODY_STALL_S after its
     handshake, with no close frame (a review found it before any client did)."""
-    monkeypatch.setattr(server_module, "BODY_STALL_S", 0.5)
+    monkeypatch.setattr(http_transport, "BODY_STALL_S", 0.5)
 
     async def go():
         async with connect(server.ws, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:

@@ -1,0 +1,227 @@
+"""uvicorn's HTTP/1.1 protocol (h11) with the guards it lacks: a deadline for each request's headers (silent and
+slow-loris connections), a body that may not stall, a cap on open connections, one way to frame a body, the API's
+JSON error where uvicorn answered in plain text, and a lingering close, so that a client still sending the body of
+a request that was answered early (413, 401, 503) reads that answer instead of a reset."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import h11
+from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn sizes its own connection
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from realtime.errors import HTTPFailure
+
+
+def _closing_response(failure: HTTPFailure, reason: str) -> bytes:
+    """A whole HTTP/1.1 response written before the app sees the request: the API's JSON error, then the close."""
+    body = json.dumps(failure.body()).encode()
+    head = (f"HTTP/1.1 {failure.status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+_OVER_CAPACITY = _closing_response(HTTPFailure(503, "overloaded", "too many open connections; try again later"),
+                                   "Service Unavailable")
+_MALFORMED = _closing_response(HTTPFailure(400, "invalid_message", "malformed HTTP/1.1 request: its request line, a "
+                                                                   "header or its Content-Length cannot be parsed"),
+                               "Bad Request")
+_FRAMED_TWICE = _closing_response(HTTPFailure(400, "invalid_message", "the request gives both Content-Length and "
+                                                                      "Transfer-Encoding: frame its body one way"),
+                                  "Bad Request")
+
+
+class _OneBodyFraming(h11.Connection):
+    """h11 with one refusal more. A request with both Transfer-Encoding and Content-Length "ought to be handled as an
+    error" (RFC 9112, 6.3): h11 read the chunked body and ignored the length, and a proxy in front that read the
+    length instead would take the rest for another request (request smuggling)."""
+
+    def __init__(self, max_incomplete_event_size: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size)
+        self.refusal: bytes | None = None  # the response a request refused here gets
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}  # h11 gives them lower-cased
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self.refusal = _FRAMED_TWICE
+                raise h11.RemoteProtocolError("Content-Length and Transfer-Encoding together")
+        return event
+
+
+# a request answered before its body was read (413 from the Content-Length, 401, 503): the rest of its body is read
+# and dropped for at most this long and this much, then the socket closes. Closing a socket with unread bytes sends
+# a reset, and a client that sends its whole body before it reads (urllib, curl) saw a broken pipe, not the answer.
+LINGER_S = 10.0
+LINGER_BYTES = 64 * 1024 * 1024
+
+
+class _LingeringTransport:
+    """The socket's transport as uvicorn and the app see it: its close() goes through the protocol, which may read
+    the rest of an answered request's body first; while it does, the transport counts as closing."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedH11Protocol) -> None:
+        self.raw = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+    def close(self) -> None:
+        self._protocol.close_after_body()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self.raw.is_closing()
+
+
+# seconds a request body may go without a byte while the server waits to read it; a stalled body is closed (a
+# hostile try held every connection of the server with request headers, one body byte and then nothing)
+BODY_STALL_S = 30.0
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the guards it lacks. A request's headers (a WebSocket handshake's included) must
+    be complete within `handshake_timeout_s` of the connection, or of the first byte of a later request on a kept-
+    alive one; a request body must not stop for BODY_STALL_S while the server waits for it (a slow body is fine, a
+    stopped one is not); otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up.
+    Past `max_connections` open connections (HTTP and WebSocket) a new one gets a 503 and is closed at once. A
+    connection closed after its answer while the request's body is still coming lingers (LINGER_S, LINGER_BYTES)."""
+
+    def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None, *, handshake_timeout_s: float,
+                 max_connections: int) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.conn = _OneBodyFraming(config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_connections = max_connections
+        self._headers_deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
+        self._upgraded = False  # the socket belongs to the WebSocket protocol now
+        self.lingering = False  # answered and closing: the rest of the request's body is read and dropped
+        self._lingered_bytes = 0
+        self._stopping = False
+        self._linger_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
+        if len(self.connections) > self.max_connections:
+            transport.write(_OVER_CAPACITY)
+            transport.close()
+            return
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            self._drop_body(data)
+            return
+        if self.transport.is_closing():  # refused or timed out: nothing more is read
+            return
+        if self.conn.their_state is h11.IDLE:
+            self._arm()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm()
+        self._watch_body()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (or `_OneBodyFraming` refuses) gets the API's JSON error (uvicorn sends plain
+        text), then the close."""
+        self.transport.write(self.conn.refusal or _MALFORMED)
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        """A pipelined request, already read, starts here rather than in `data_received`: its body is watched too."""
+        super().on_response_complete()
+        self._watch_body()
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        self._disarm()  # the WebSocket protocol takes the socket over: this one hears nothing more
+        self._upgraded = True
+        self._stop_watching_body()
+        self.transport = self.transport.raw  # the WebSocket protocol closes its socket itself
+        super().handle_websocket_upgrade(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._stop_watching_body()
+        if self._linger_deadline is not None:
+            self._linger_deadline.cancel()
+        super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """The server stops: no connection lingers."""
+        self._stopping = True
+        if self.lingering:
+            self.transport.raw.close()
+        else:
+            super().shutdown()
+
+    def close_after_body(self) -> None:
+        """Closes the socket, or, when the request was answered while its body is still coming, first reads that
+        body to its end (or for LINGER_S, or LINGER_BYTES), dropping it."""
+        if self.lingering:
+            return
+        answered = self.conn.our_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+        if self._stopping or not (answered and self.conn.their_state is h11.SEND_BODY and not self._upgraded):
+            self.transport.raw.close()
+            return
+        self.lingering = True
+        self._disarm()
+        self._stop_watching_body()
+        self._linger_deadline = self.loop.call_later(LINGER_S, self.transport.raw.close)
+        self.transport.raw.resume_reading()  # paused while the app held more body than it read
+
+    def _drop_body(self, data: bytes) -> None:
+        self._lingered_bytes += len(data)
+        if self._lingered_bytes > LINGER_BYTES or self._body_ended(data):
+            self.transport.raw.close()
+
+    def _body_ended(self, data: bytes) -> bool:
+        """Gives `data` to h11: whether the request's body has ended with it (or cannot be read on)."""
+        try:
+            self.conn.receive_data(data)
+            while (event := self.conn.next_event()) is not h11.NEED_DATA:
+                if not isinstance(event, h11.Data):
+                    return True
+        except h11.RemoteProtocolError:
+            return True
+        return False
+
+    def _watch_body(self) -> None:
+        """After each piece of a request: while its body is still to come, BODY_STALL_S from now."""
+        self._stop_watching_body()
+        # an upgrade's request never reaches its end in h11 (its state stays SEND_BODY): the WebSocket protocol owns
+        # the socket, and a timer here closed every session BODY_STALL_S after its handshake
+        if self.conn.their_state is h11.SEND_BODY and not self._upgraded and not self.transport.is_closing():
+            self._body_deadline = self.loop.call_later(BODY_STALL_S, self._body_stalled)
+
+    def _stop_watching_body(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_stalled(self) -> None:
+        self._body_deadline = None
+        if self.flow.read_paused:  # the server is not reading (its buffer is full): the client is not to blame
+            self._watch_body()
+            return
+        self.transport.close()  # the application sees the client gone (ClientDisconnect: counted 499)
+
+    def _arm(self) -> None:
+        if self._headers_deadline is None:
+            self._headers_deadline = self.loop.call_later(self.handshake_timeout_s, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._headers_deadline is not None:
+            self._headers_deadline.cancel()
+            self._headers_deadline = None
+
+    def _headers_late(self) -> None:
+        self._headers_deadline = None
+        self.transport.close()
+
+
