@@ -83,6 +83,9 @@ class SynthesisRequest:
     max_frames: int | None = None
     text_complete: bool = True  # False: `text` is the first piece; more comes with append_text, then end_text
     clean_text: bool = False  # LLM output: markdown and emoji are not read out (engine/text/cleanup.py)
+    # a live conversation's request (the gateway's WebSocket contexts); False: a one-shot request (HTTP), which leaves
+    # the engine's reserved slots and places to the interactive ones (scheduler.py, `reserved_slots`)
+    interactive: bool = True
 
 
 @dataclass(frozen=True)

@@ -365,13 +365,13 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def template(self, voice: Voice, language: str, sampling: Sampling, layout: str = "streaming"
-                 ) -> SynthesisRequest:
+    def template(self, voice: Voice, language: str, sampling: Sampling, layout: str = "streaming",
+                 interactive: bool = True) -> SynthesisRequest:
         """A context's request without text (`layout`: engine/prompt.py's TEXT_LAYOUTS; streaming starts speaking
-        soonest); raises VoiceError for an unknown language."""
+        soonest; `interactive`: SynthesisRequest's); raises VoiceError for an unknown language."""
         return SynthesisRequest("", voice, language=self.voices.resolve_language(language), layout=layout,
                                 sampling=self._sampling(sampling), text_complete=False,
-                                clean_text=self.options.clean_text)
+                                clean_text=self.options.clean_text, interactive=interactive)
 
     def _sampling(self, wanted: Sampling) -> SamplingParams:
         base = SamplingParams.from_defaults(self.tts.config.generation)

@@ -168,7 +168,7 @@ class VoiceCatalog:
                     "instructions": False, "stored": True, "kind": stored.kind}
                    for name, (stored, _) in self._stored.items()]
         return {"voices": voices, "default": self.default,
-                "openai_voices": {name: voice or self.default for name, voice in self.openai_voices.items()}}
+                "openai_voices": {name: self.openai_voice(name) or self.default for name in self.openai_voices}}
 
     def check_voice(self, voice_id: str) -> str:
         """A session's default voice must exist (PROTOCOL.md: a bad session.start field is `invalid_config`); its id

@@ -326,6 +326,26 @@ def test_a_waiting_request_without_a_free_slot_is_no_work(tts):
     assert engine.has_work()  # the slot is free: the waiting request is admitted by the next step
 
 
+def test_a_one_shot_request_waiting_for_more_than_the_reserved_slot_is_no_work(tts):
+    """Two slots, one reserved for interactive requests: a one-shot request that finds only the reserved slot free
+    waits, and is no work (the loop spun on it, stepping nothing: a hostile try's HTTP readers that read nothing
+    made it); an interactive request takes the reserved slot at once."""
+    engine = Engine(tts, EngineConfig(max_batch=2, capacity=128))
+    base = requests(tts, True, frames=[None])[0]
+    held = engine.submit(SynthesisRequest("Hello there, ", base.voice, sampling=base.sampling, text_complete=False))
+    for _ in range(100):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work() and held in engine.running
+    one_shot = engine.submit(SynthesisRequest("Waiting.", base.voice, sampling=base.sampling, interactive=False))
+    assert not engine.has_work()
+    conversation = engine.submit(SynthesisRequest("Now.", base.voice, sampling=base.sampling))
+    assert engine.has_work()
+    engine.step()
+    assert conversation in engine.running and one_shot not in engine.running
+
+
 @pytest.mark.parametrize("paused_at", [0, 3])
 def test_a_paused_request_runs_no_frame_keeps_its_slot_and_speaks_the_same_when_resumed(tts, paused_at):
     """A request whose client reads too slowly is paused: it runs no frame (the step loop has no work for it alone),

@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import json
 import socket
+import threading
 import time
 
 import numpy as np
@@ -205,3 +206,40 @@ def test_a_streamed_speech_body_left_unread_too_long_ends_and_frees_its_slot(mon
         finally:
             connection.close()
         assert server.post("/v1/audio/speech", {**SPEECH, "stream": False})[0] == 200
+
+
+def test_http_requests_holding_every_slot_they_may_leave_a_conversation_its_slot(monkeypatch):
+    """Unread streamed speech bodies keep their slots (paused). As many of them as the engine has slots held every
+    slot, and a WebSocket conversation waited for one (a hostile try: 5.4 s behind 14 HTTP requests on 8 slots; up
+    to READ_AHEAD.limit_s behind readers that read nothing): one-shot requests leave `reserved_slots` to
+    conversations, and the conversation speaks at once; the HTTP request left waiting starts once a slot frees."""
+    monkeypatch.setattr(speech_http, "READ_AHEAD", ReadAhead(pause_s=0.5, limit_s=120.0))
+    with running_server(max_batch=4) as server:
+        unread = [_unread_speech(server, SPEECH) for _ in range(3)]  # the slots one-shot requests may take
+        last: list = []
+        waiting = threading.Thread(target=lambda: last.append(_unread_speech(server, SPEECH)))
+        waiting.start()  # the fourth: no slot for it
+        try:
+            for _ in range(600):
+                if server.metric("voxgate_engine_requests_active") == 4:
+                    break
+                time.sleep(0.05)
+            assert _engine_stopped(server) and server.metric("voxgate_engine_requests_active") == 4
+
+            async def speak() -> float:
+                async with connect(server.ws) as ws:
+                    started = time.monotonic()
+                    await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there."}))
+                    await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
+                    while isinstance(message := await asyncio.wait_for(ws.recv(), 60), str):
+                        assert json.loads(message)["type"] != "error", message
+                    return time.monotonic() - started
+
+            assert asyncio.run(speak()) < 5.0
+        finally:
+            for connection, _ in unread:
+                connection.close()  # their slots free: the fourth starts
+            waiting.join(timeout=120)
+        (connection, response), = last
+        assert response.status == 200
+        connection.close()

@@ -27,7 +27,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from realtime.ws.protocol import ERROR_CODES
-from realtime.http_transport import LINGER_S
+from realtime.http_transport import BYTES_PER_CHUNK, FREE_CHUNKS, LINGER_S
 from tests.server_process import ServerProcess, server_process
 
 MAX_MESSAGE_BYTES = 65536
@@ -341,6 +341,15 @@ def test_hostile_speech_bodies_get_specific_errors_and_hurt_no_one(server, healt
 
 # --- requests HTTP/1.1 cannot parse ----------------------------------------------------------------------------
 
+def _assert_json_400(answer: bytes) -> dict:
+    """`answer` (a raw response read to the close) is a 400 with the API's JSON `invalid_message` error: the error."""
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 ") and b"application/json" in status, answer
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_message", error
+    return error
+
+
 _NOT_A_LENGTH = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=24).filter(
     lambda value: not value.strip(" \t").isdigit())
 
@@ -362,9 +371,7 @@ def test_a_request_http_cannot_parse_gets_the_apis_json_error(server, head):
         answer = b""
         while chunk := raw.recv(65536):
             answer += chunk
-    status, _, body = answer.partition(b"\r\n\r\n")
-    assert status.startswith(b"HTTP/1.1 400 ") and b"application/json" in status, answer
-    assert json.loads(body)["error"]["code"] == "invalid_message"
+    _assert_json_400(answer)
     assert server.get("/health")[0] == 200
 
 
@@ -386,10 +393,7 @@ def test_a_request_that_frames_its_body_two_ways_is_refused(server, route, lengt
         answer = b""
         while chunk := raw.recv(65536):
             answer += chunk
-    status, _, body = answer.partition(b"\r\n\r\n")
-    assert status.startswith(b"HTTP/1.1 400 ") and b"application/json" in status, answer
-    error = json.loads(body)["error"]
-    assert error["code"] == "invalid_message" and "Transfer-Encoding" in error["message"]
+    assert "Transfer-Encoding" in _assert_json_400(answer)["message"]
     assert server.get("/health")[0] == 200
 
 
@@ -415,7 +419,8 @@ def _handshake(port: int, extra_headers: bytes, key: bool = True, path: bytes = 
            lambda raw: bytes(b for b in raw if b >= 0x20 and b != 0x7F).strip() or b"\xc3\xa9"))
 def test_a_handshake_header_of_any_bytes_opens_the_session(server, name, value):
     """Header bytes that are not ASCII (a browser's UTF-8 cookie, any byte HTTP allows in a value) failed the
-    handshake with a 500 and a traceback (the module's server log is checked for tracebacks when it stops): the socket opens as any other."""
+    handshake with a 500 and a traceback (the module's server log is checked for tracebacks when it stops): the
+    socket opens as any other."""
     answer = _handshake(server.port, name + b": " + value + b"\r\n")
     assert answer.startswith(b"HTTP/1.1 101 "), answer[:200]
 
@@ -427,9 +432,7 @@ def test_a_request_that_is_no_websocket_handshake_gets_the_apis_json_error(serve
     """No key, a control byte in a header (not a valid HTTP header value), a second version: 400 with the API's JSON
     error (the library answered plain text)."""
     answer = _handshake(server.port, extra, key=key)
-    status, _, body = answer.partition(b"\r\n\r\n")
-    assert status.startswith(b"HTTP/1.1 400 ") and b"application/json" in status, answer
-    assert json.loads(body)["error"]["code"] == "invalid_message"
+    _assert_json_400(answer)
     assert server.get("/health")[0] == 200
 
 
@@ -460,8 +463,8 @@ BODY_ROUTES = ["/v1/audio/speech", "/v1/lexicons", "/v1/audio/voices"]
 
 @settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
           suppress_health_check=list(HealthCheck))
-@given(route=st.sampled_from(BODY_ROUTES), sent=st.binary(max_size=200), missing=st.one_of(st.integers(1, 1000), st.integers(1, 10**6)),
-       multipart=st.booleans())
+@given(route=st.sampled_from(BODY_ROUTES), sent=st.binary(max_size=200),
+       missing=st.one_of(st.integers(1, 1000), st.integers(1, 10**6)), multipart=st.booleans())
 def test_a_client_that_leaves_mid_body_gets_no_traceback(server, route, sent, missing, multipart):
     """A client that declares a body and leaves before all of it arrived: nothing to answer, no error logged (the
     module's server log is checked for tracebacks when it stops), and the server goes on serving."""
@@ -495,8 +498,8 @@ def _read_answer(raw: socket.socket) -> tuple[bytes, bytes]:
 def test_a_body_refused_from_its_length_is_read_to_its_end(server, route, over, piece, keep_alive):
     """A request whose Content-Length passes the limit is answered (413) before its body is read. A client that
     sends its whole body before it reads (urllib, curl with `Connection: close`) got a reset, not the answer: the
-    server closed with the body still coming. Now it reads the rest of the body, drops it and closes at its end (or,
-    kept alive, serves the next request on the connection)."""
+    server closed with the body still coming. Now it reads the rest of the body, drops it and closes at its end;
+    a kept-alive request's answer says `Connection: close` too (its body was read for as long as it came)."""
     declared = MAX_MESSAGE_BYTES + over
     head = (f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n"
             + ("" if keep_alive else "Connection: close\r\n") + "\r\n")
@@ -504,12 +507,59 @@ def test_a_body_refused_from_its_length_is_read_to_its_end(server, route, over, 
         raw.sendall(head.encode())
         status, body = _read_answer(raw)
         assert status.startswith(b"HTTP/1.1 413 ") and json.loads(body)["error"]["code"] == "text_too_long"
+        assert b"\r\nconnection: close" in status.lower()
         time.sleep(0.02)  # the server has closed by now if it does not linger
         for start in range(0, declared, piece):
             raw.sendall(b"a" * min(piece, declared - start))
-        if keep_alive:
-            raw.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _read_answer(raw)[0].startswith(b"HTTP/1.1 200 ")
-        else:
-            raw.settimeout(LINGER_S / 2)  # closed at the body's end, not when the linger runs out
-            assert raw.recv(1) == b""
+        raw.settimeout(LINGER_S / 2)  # closed at the body's end, not when the linger runs out
+        assert raw.recv(1) == b""
+
+
+def _chunked(body: bytes, cuts: list[int]) -> bytes:
+    """`body` in chunks cut at the given positions, then the last chunk."""
+    ends = [0, *sorted(set(cuts)), len(body)]
+    pieces = [body[start:end] for start, end in zip(ends, ends[1:]) if end > start]
+    return b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+
+
+def _post_chunked(port: int, route: str, chunked: bytes) -> bytes:
+    """A raw chunked POST, read to the close (the request says `Connection: close`)."""
+    head = (f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=EXAMPLE_TIMEOUT_S) as raw:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused and closed while it was sending
+            raw.sendall(head + chunked)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):  # (a timeout is not suppressed: the server must close)
+            while chunk := raw.recv(65536):
+                answer += chunk
+    return answer
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 8, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(["/v1/audio/speech", "/v1/lexicons", "/nope"]), size=st.integers(1, 64),
+       chunks=st.integers(FREE_CHUNKS + 2, 5_000))
+def test_a_chunked_body_of_tiny_chunks_is_refused_before_it_costs(server, healthy, route, size, chunks):
+    """h11 parses each chunk in Python: a body of one-byte chunks held the event loop for seconds (every other
+    stream's audio with it). Chunks that average under BYTES_PER_CHUNK, past FREE_CHUNKS of them, are a 400 and
+    the close (a route that answers before it reads, 404, may have answered first: then the close comes at that
+    chunk); the healthy session beside it stays smooth (the module's `healthy` fixture)."""
+    assume(chunks > FREE_CHUNKS + size * chunks // BYTES_PER_CHUNK)
+    answer = _post_chunked(server.port, route, _chunked(b"a" * size * chunks, list(range(size, size * chunks, size))))
+    if not (route == "/nope" and answer.startswith(b"HTTP/1.1 404 ")):
+        assert "chunks" in _assert_json_400(answer)["message"]
+    assert server.get("/health")[0] == 200
+
+
+_SPEECH_BODY = json.dumps({"input": "Hi there.", "voice": "vivian", "response_format": "pcm", "stream": False}).encode()
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 8, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(cuts=st.lists(st.integers(1, len(_SPEECH_BODY) - 1), max_size=FREE_CHUNKS - 1))
+def test_a_chunked_body_in_a_few_pieces_is_served(server, cuts):
+    """A client that streams its body (curl from stdin, a fetch of a stream) sends it chunked: up to FREE_CHUNKS
+    pieces of any size are read as the same body."""
+    answer = _post_chunked(server.port, "/v1/audio/speech", _chunked(_SPEECH_BODY, cuts))
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]

@@ -119,6 +119,14 @@ def test_a_bad_voice_is_refused_by_name(client, voice, code):
     assert refused.value.code == code and "voice" in refused.value.message
 
 
+@pytest.mark.parametrize("language", [" ", "klingon", "xx"])
+def test_a_bad_language_is_a_bad_field_of_the_body(client, language):
+    """`invalid_message`, as every other bad field of the body (it came back as the socket's `invalid_config`)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, extra_body={"language": language})
+    assert refused.value.code == "invalid_message" and "language" in refused.value.message.lower()
+
+
 def test_every_openai_voice_maps_onto_a_voice_the_model_has(server, tiny_checkpoints):
     tts = server.gateway.tts
     catalog = VoiceCatalog(tts)

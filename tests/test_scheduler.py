@@ -1,11 +1,16 @@
 """Scheduling policies: on the simulator (the real scheduler, a virtual clock, the GPU cost model) and in the
 engine, where the policy changes who steps when, never what a request sounds like."""
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.core.engine import Engine, EngineConfig
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import ADMISSIONS, Scheduler, reserved_slots
 from engine.core.simulator import Arrival, CostModel, burst_workload, poisson_workload, simulate, summarize
+from engine.errors import EngineFull
 from engine.request import AudioChunk, SynthesisRequest
 from engine.sampling import SamplingParams
 from engine.tts import TTSModel, VoiceRequest
@@ -52,6 +57,65 @@ def test_simulated_request_holds_until_its_text_arrives():
                                                                   prefill_ms=0, prefill_per_request_ms=0))
     assert request.delivered[:2] == pytest.approx([0.01, 0.02])
     assert request.delivered[2] == pytest.approx(1.01) and len(request.delivered) == 10
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A request that is ready at once, interactive (a conversation's) or one-shot (HTTP)."""
+    request_id: int
+    interactive: bool
+    slot: int = -1
+    frames: int = 0
+    decoded_frames: int = 0
+    first_audio_at: float | None = None
+    done: str | None = None
+
+    def ready(self) -> bool:
+        return True
+
+    def runnable(self) -> bool:
+        return True
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.integers(1, 40), kinds=st.lists(st.booleans(), max_size=80), finished=st.integers(0, 40),
+       admission=st.sampled_from(ADMISSIONS))
+def test_one_shot_requests_leave_the_reserved_slots_to_interactive_ones(slots, kinds, finished, admission):
+    """However one-shot (HTTP) and interactive requests arrive, one-shot requests never hold more than the slots
+    less `reserved_slots`, an interactive request never waits while a slot is free, and each kind is admitted in
+    its order of arrival; a slot freed later goes by the same rule."""
+    scheduler = Scheduler(slots, max_prefill_batch=10**6, admission=admission)
+    requests = [Waiting(index, interactive) for index, interactive in enumerate(kinds)]
+    for request in requests:
+        scheduler.add(request)
+
+    def check() -> None:
+        scheduler.admit(lambda request: True)
+        running = scheduler.running.values()
+        free = len(scheduler.free_slots)
+        assert sum(not r.interactive for r in running) <= slots - scheduler.reserved
+        assert not any(r.interactive for r in scheduler.waiting) or free == 0
+        assert not any(not r.interactive for r in scheduler.waiting) or free <= scheduler.reserved
+        for kind in (True, False):
+            started = [r.request_id for r in requests if r.interactive is kind and r.slot >= 0]
+            assert started == [r.request_id for r in requests if r.interactive is kind][:len(started)]
+
+    check()
+    for request in list(scheduler.running.values())[:finished]:
+        scheduler.finish(request, "eos")
+    check()
+
+
+def test_the_reserve_and_its_waiting_places():
+    """A sixteenth of the slots, at least one, none for one slot; a one-shot request finds the waiting room full
+    that many places before an interactive one."""
+    assert [reserved_slots(n) for n in (1, 2, 8, 16, 64, 256)] == [0, 1, 1, 1, 4, 16]
+    scheduler = Scheduler(8, max_waiting=3)
+    for index in range(2):
+        scheduler.add(Waiting(index, interactive=False))
+    with pytest.raises(EngineFull):
+        scheduler.check_room(interactive=False)
+    scheduler.check_room(interactive=True)
 
 
 @pytest.fixture(scope="module")

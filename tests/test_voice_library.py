@@ -442,7 +442,8 @@ def test_a_stored_voice_that_can_no_longer_load_is_left_out_and_the_server_start
 
 def test_openai_voice_names_follow_the_default_as_voices_come_and_go(base_model, tmp_path, one_thread):
     """A Base model has no speakers: OpenAI's names speak with its default voice, the one it has when the request
-    comes, not the one it had at start-up (deleted since, it made every `alloy` request unknown_voice)."""
+    comes, not the one it had at start-up (deleted since, it made every `alloy` request unknown_voice). A voice
+    stored as `alloy` is itself, and the catalog's mapping says so (it named the default: a hostile try)."""
     with running_server(model=base_model, data_dir=tmp_path / "data") as server:
         for name in ("first", "second"):
             assert upload(server, name, wav(), transcript=TRANSCRIPT).status_code == 201
@@ -451,6 +452,9 @@ def test_openai_voice_names_follow_the_default_as_voices_come_and_go(base_model,
         assert httpx.delete(server.http + "/v1/audio/voices/first").status_code == 200
         assert speech(server, "alloy") == speech(server, "second") and speech(server, "alloy")[0] == 200
         assert json.loads(server.get("/v1/voices")[1])["openai_voices"]["alloy"] == "second"
+        assert upload(server, "alloy", wav(seconds=3.0, amplitude=0.5), transcript=TRANSCRIPT).status_code == 201
+        assert speech(server, "alloy") != speech(server, "second")
+        assert json.loads(server.get("/v1/voices")[1])["openai_voices"]["alloy"] == "alloy"
 
 
 def test_an_upload_never_takes_a_base_models_default_over(base_model, tmp_path, one_thread):

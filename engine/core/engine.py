@@ -139,10 +139,9 @@ class Engine:
     def has_work(self) -> bool:
         """A step would do something now: requests whose text has not arrived wait for `append_text`, once the
         frames they made before holding are on their way to the decoder; a waiting request counts only while a slot
-        is free for it (else its loop spun, stepping nothing, until a slot freed)."""
+        is free for it, by the reserve's rule too (else its loop spun, stepping nothing, until a slot freed)."""
         scheduler = self.scheduler
-        admissible = bool(scheduler.free_slots) and any(s.ready() for s in scheduler.waiting)
-        return (admissible or bool(self.decoding.in_flight or scheduler.finished)
+        return (scheduler.admissible() or bool(self.decoding.in_flight or scheduler.finished)
                 or bool(self.decoding.finishing)
                 or any(s.runnable() or s.pending for s in scheduler.running.values()))
 
@@ -150,7 +149,7 @@ class Engine:
         """Validate and queue a request. Raises at once: RequestError (bad input), EngineFull, or SynthesisFailed
         (planning it raised unexpectedly)."""
         check_request(self.tts, request)
-        self.scheduler.check_room()
+        self.scheduler.check_room(request.interactive)
         try:
             seq = self._planned(request) if request.text_complete else self._streaming(request)
         except VoxgateError:

@@ -2,7 +2,10 @@
 runnable requests take the next frame step, and the bookkeeping of a request's end.
 
 Admission takes waiting requests oldest first, up to `max_prefill_batch` per step and while slots are free; a
-streaming-text request waits until its prefill has its text (`Sequence.ready`). A running request whose next text
+streaming-text request waits until its prefill has its text (`Sequence.ready`). The last `reserved_slots` free slots
+(and as many places of the waiting room) are for interactive requests (a conversation's WebSocket contexts): a
+one-shot request (HTTP) passes them by, so that a burst of one-shot requests cannot make a conversation wait for a
+slot; the waiting interactive requests behind it take them. A running request whose next text
 token has not arrived holds (`Sequence.runnable`); the others are runnable.
 
 When more are runnable than a step holds (`max_step_batch`), a request's urgency is its playback deadline: how much
@@ -48,6 +51,13 @@ PREFILL_PASS_S = 0.010
 PREFILL_PER_REQUEST_S = 0.0005
 PROTECT_STEP_S = 0.05
 MAX_ADMISSION_WAIT_S = 0.1
+RESERVED_SLOT_SHARE = 16  # of the slots, kept for interactive requests
+
+
+def reserved_slots(slots: int) -> int:
+    """Free slots (and waiting places) a one-shot request leaves to interactive ones: a sixteenth, at least one (none
+    for an engine of one slot)."""
+    return 0 if slots < 2 else max(1, slots // RESERVED_SLOT_SHARE)
 
 
 class Scheduled(Protocol):
@@ -57,6 +67,7 @@ class Scheduled(Protocol):
     decoded_frames: int  # frames whose audio is out (queued for decoding)
     first_audio_at: float | None  # when its first frame was generated
     done: str | None
+    interactive: bool  # False: a one-shot request, which leaves the reserved slots free
 
     def ready(self) -> bool: ...  # its prefill can run
 
@@ -113,6 +124,7 @@ class Scheduler(Generic[S]):
         self.admission = admission
         self.ready_since: dict[int, float] = {}  # `protect`: request id -> when it was first seen ready
         self.free_slots = list(range(slots))
+        self.reserved = reserved_slots(slots)
         self.waiting: deque[S] = deque()
         self.running: dict[int, S] = {}
         self.finished: list[S] = []  # ended requests whose Finished is not delivered yet
@@ -120,9 +132,12 @@ class Scheduler(Generic[S]):
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.finished
 
-    def check_room(self) -> None:
-        """Raises EngineFull when the waiting queue is full (before a request is planned: that costs)."""
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+    def check_room(self, interactive: bool = True) -> None:
+        """Raises EngineFull when the waiting queue is full, for a one-shot request `reserved` places before (before
+        a request is planned: that costs)."""
+        if self.max_waiting is None:
+            return
+        if len(self.waiting) >= self.max_waiting - (0 if interactive else self.reserved):
             raise EngineFull(f"the engine is full ({len(self.waiting)} requests waiting); try again later")
 
     def add(self, seq: S) -> None:
@@ -140,15 +155,21 @@ class Scheduler(Generic[S]):
             return self._admit_protecting(prepare)
         admitted: list[S] = []
         for seq in list(self.waiting):
-            if len(admitted) >= self.max_prefill_batch:
+            if len(admitted) >= self.max_prefill_batch or not self.free_slots:
                 break
-            if not seq.ready() or not prepare(seq):
+            if not seq.ready() or not self._slot_for(seq) or not prepare(seq):
                 continue
-            if not self.free_slots:
-                break
             self._start(seq)
             admitted.append(seq)
         return admitted
+
+    def admissible(self) -> bool:
+        """Whether a waiting request could start now (`protect` aside): ready, with a slot free for it."""
+        return any(seq.ready() and self._slot_for(seq) for seq in self.waiting)
+
+    def _slot_for(self, seq: S) -> bool:
+        """Whether a slot is free for `seq`: a one-shot request leaves the last `reserved` free slots."""
+        return len(self.free_slots) > (0 if seq.interactive else self.reserved)
 
     def _admit_protecting(self, prepare: Callable[[S], bool]) -> list[S]:
         """`protect`: the oldest ready requests whose prefill the thinnest lead can pay for, and every overdue one."""
@@ -158,7 +179,7 @@ class Scheduler(Generic[S]):
         for seq in list(self.waiting):
             if len(admitted) >= self.max_prefill_batch or not self.free_slots:
                 break
-            if not seq.ready():
+            if not seq.ready() or not self._slot_for(seq):
                 continue
             since = self.ready_since.setdefault(seq.request_id, now)
             if now - since < MAX_ADMISSION_WAIT_S and prefill_seconds(len(admitted) + 1) > budget:

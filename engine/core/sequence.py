@@ -32,6 +32,10 @@ class Sequence:
     paused_at: float | None = None
     first_audio_at: float | None = None  # when its first frame was made, later by the time it spent paused
 
+    @property
+    def interactive(self) -> bool:
+        return self.request.interactive
+
     def text_id(self) -> int | None:
         """The text token of the next frame; None holds the request (its text has not arrived)."""
         return self.feed.text_id(self.frames) if self.feed is not None else self.prompt.text_id(self.frames)

@@ -80,6 +80,7 @@ class SimRequest:
     admitted_at: float | None = None  # when its prefill ran
     done: str | None = None
     delivered: list[float] = field(default_factory=list)  # when each frame's audio was out
+    interactive: bool = True
 
     def _tokens(self) -> int:
         return sum(t <= self.clock.now for t in self.arrival.text_times)

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from engine.core.engine import Engine
+from engine.core.scheduler import reserved_slots
 from engine.errors import EngineFailed, EngineFull
 from engine.request import Event, Finished, SynthesisRequest, check_request
 from engine.serving.step_loop import Command, StepLoop
@@ -93,11 +94,12 @@ class FrontEnd:
 
     def submit(self, request: SynthesisRequest) -> RequestHandle:
         """Queue a request; raises at once RequestError (invalid), EngineFull (as many requests open as the engine
-        holds) or EngineFailed."""
+        holds; for a one-shot request, as many as it holds less the places reserved for interactive ones) or
+        EngineFailed."""
         if self.error is not None:
             raise EngineFailed(f"the engine has failed: {self.error}")
         check_request(self.tts, request)
-        if self.active >= self.capacity:
+        if self.active >= self.capacity - (0 if request.interactive else reserved_slots(self.slots)):
             raise EngineFull(f"the engine is full ({self.active} requests open); try again later")
         self._next_id += 1
         handle = RequestHandle(self._next_id, self)
