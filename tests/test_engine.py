@@ -309,17 +309,23 @@ def test_seeded_audio_is_bit_equal_alone_and_batched(tts, joined_at):
     assert len(alone) and np.array_equal(batched[probe_index][0], alone)
 
 
-def test_a_waiting_request_without_a_free_slot_is_no_work(tts):
-    """The step loop steps while there is work: a request waiting for a slot that a held request keeps (its text
-    has not come) is not work, or the loop spun at 100% of a core stepping nothing until the slot freed."""
-    engine = Engine(tts, EngineConfig(max_batch=1, capacity=128))
+def _one_slot_held(tts, slots: int) -> tuple[Engine, SynthesisRequest, int]:
+    """An engine of `slots` with one streaming-text request stepped until it holds (its next text has not come)."""
+    engine = Engine(tts, EngineConfig(max_batch=slots, capacity=128))
     base = requests(tts, True, frames=[None])[0]
     held = engine.submit(SynthesisRequest("Hello there, ", base.voice, sampling=base.sampling, text_complete=False))
     for _ in range(100):
         if not engine.has_work():
             break
         engine.step()
-    assert not engine.has_work() and held in engine.running  # held: its next text has not come
+    assert not engine.has_work() and held in engine.running
+    return engine, base, held
+
+
+def test_a_waiting_request_without_a_free_slot_is_no_work(tts):
+    """The step loop steps while there is work: a request waiting for a slot that a held request keeps (its text
+    has not come) is not work, or the loop spun at 100% of a core stepping nothing until the slot freed."""
+    engine, base, held = _one_slot_held(tts, slots=1)
     engine.submit(SynthesisRequest("Waiting.", base.voice, sampling=base.sampling))
     assert not engine.has_work()
     engine.cancel(held)
@@ -330,14 +336,7 @@ def test_a_one_shot_request_waiting_for_more_than_the_reserved_slot_is_no_work(t
     """Two slots, one reserved for interactive requests: a one-shot request that finds only the reserved slot free
     waits, and is no work (the loop spun on it, stepping nothing: a hostile try's HTTP readers that read nothing
     made it); an interactive request takes the reserved slot at once."""
-    engine = Engine(tts, EngineConfig(max_batch=2, capacity=128))
-    base = requests(tts, True, frames=[None])[0]
-    held = engine.submit(SynthesisRequest("Hello there, ", base.voice, sampling=base.sampling, text_complete=False))
-    for _ in range(100):
-        if not engine.has_work():
-            break
-        engine.step()
-    assert not engine.has_work() and held in engine.running
+    engine, base, held = _one_slot_held(tts, slots=2)
     one_shot = engine.submit(SynthesisRequest("Waiting.", base.voice, sampling=base.sampling, interactive=False))
     assert not engine.has_work()
     conversation = engine.submit(SynthesisRequest("Now.", base.voice, sampling=base.sampling))
