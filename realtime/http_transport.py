@@ -198,7 +198,8 @@ class GuardedH11Protocol(H11Protocol):
         if self.lingering:
             return
         answered = self.conn.our_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
-        if self._stopping or not (answered and self.conn.their_state is h11.SEND_BODY and not self._upgraded):
+        gone = self._stopping or self.transport.raw.is_closing()  # the server stops, or the socket is closed already
+        if gone or not (answered and self.conn.their_state is h11.SEND_BODY and not self._upgraded):
             self.transport.raw.close()
             return
         self.lingering = True

@@ -46,8 +46,6 @@ DEFAULT_LAYOUT = "streaming"  # the gateway's: it starts speaking soonest
 # A streamed body's synthesis waits while 5 s of its audio is made and unread (a client reading slower than real time:
 # the audio would pile up in the gateway), and ends if it waits 20 s (a client that reads too little holds no slot)
 READ_AHEAD = ReadAhead(pause_s=5.0, limit_s=20.0)
-# a session's code for a bad setting, as HTTP names a bad field of its body
-_HTTP_CODES = {"invalid_config": "invalid_message"}
 
 
 @dataclass(frozen=True)
@@ -215,7 +213,7 @@ def start_speech(request: SpeechRequest, gateway: Gateway) -> AsyncIterator[np.n
         template = gateway.template(voice, request.language, Sampling(seed=request.seed), request.layout,
                                     interactive=False)  # leaves the engine's reserved slots to conversations
     except VoiceError as failure:  # an unknown voice (unknown_voice), a bad language or instructions
-        raise HTTPFailure(400, _HTTP_CODES.get(failure.code, failure.code), str(failure)) from None
+        raise HTTPFailure(400, failure.code, str(failure)) from None
     speech = gateway.speech_context(template, "none", 0, request.lexicon, READ_AHEAD if request.stream else None)
     speech.append(request.text)
     speech.end()

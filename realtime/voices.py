@@ -58,7 +58,8 @@ class CloneVoice:
 
 
 class VoiceError(Exception):
-    """A voice the client cannot have: `code` is the protocol's error code."""
+    """A voice the client cannot have: `code` is the protocol's error code for a message's field (`unknown_voice`,
+    `invalid_message`; `session.start` answers a bad setting with `invalid_config`)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -187,15 +188,15 @@ class VoiceCatalog:
         try:
             self.resolve_language(language)
         except VoiceError as failure:
-            raise ProtocolError(failure.code, str(failure)) from None
+            raise ProtocolError("invalid_config", str(failure)) from None
 
     def resolve_language(self, language: str | None) -> str:
         """The model's name for `language` (a name, an ISO code or auto): the gateway's one language check, for
-        sessions, contexts and the speech endpoint alike; raises VoiceError (`invalid_config`)."""
+        sessions, contexts and the speech endpoint alike; raises VoiceError (`invalid_message`)."""
         try:
             return self.tts.resolve_language(language)
         except RequestError as failure:
-            raise VoiceError("invalid_config", str(failure)) from None
+            raise VoiceError("invalid_message", str(failure)) from None
 
     def _key(self, voice_id: str) -> str:
         return voice_id.lower() if self.variant == "custom_voice" else voice_id
@@ -217,14 +218,14 @@ class VoiceCatalog:
         instructions = (instructions or "").strip() or None
         if key in self._stored:
             if instructions is not None:
-                raise VoiceError("invalid_config", f"the stored voice {key!r} does not take instructions (a "
-                                                   "designed voice keeps the instruction it was saved with)")
+                raise VoiceError("invalid_message", f"the stored voice {key!r} does not take instructions (a "
+                                                    "designed voice keeps the instruction it was saved with)")
             return self._stored[key][1]
         if self.variant == "voice_design" and instructions is None:
-            raise VoiceError("invalid_config", "the VoiceDesign model needs `instructions` describing the voice")
+            raise VoiceError("invalid_message", "the VoiceDesign model needs `instructions` describing the voice")
         if self.variant == "base":
             if instructions is not None:
-                raise VoiceError("invalid_config", "a cloned voice does not take instructions")
+                raise VoiceError("invalid_message", "a cloned voice does not take instructions")
             return self._clones[key]
         cached = self._described.get((key, instructions))
         if cached is not None:
@@ -233,7 +234,7 @@ class VoiceCatalog:
             voice = self.tts.voice(VoiceRequest(speaker=key if self.variant == "custom_voice" else None,
                                                 instruct=instructions))
         except RequestError as failure:
-            raise VoiceError("invalid_config", str(failure)) from None
+            raise VoiceError("invalid_message", str(failure)) from None
         self._described.put((key, instructions), voice)
         return voice
 

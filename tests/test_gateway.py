@@ -538,17 +538,19 @@ def test_binary_from_the_client_and_session_start_after_text(server):
     run(go())
 
 
-@pytest.mark.parametrize("refused", [{"voice": ""}, {"voice": "  "}, {"language": ""}, {"voice": "nobody"},
-                                     {"text": "x" * 401}])
-def test_a_refused_first_append_creates_no_context_and_changes_no_setting(server, refused):
-    """A first append refused (a blank voice or language, as session.start refuses them; an unknown voice; too much
-    text) names its context, creates none, and leaves the session as it was: session.start is still taken."""
+@pytest.mark.parametrize("refused, code", [
+    ({"voice": ""}, "invalid_message"), ({"voice": "  "}, "invalid_message"), ({"language": ""}, "invalid_message"),
+    ({"language": "zz"}, "invalid_message"), ({"voice": "nobody"}, "unknown_voice"), ({"text": "x" * 401},
+                                                                                      "text_too_long")])
+def test_a_refused_first_append_creates_no_context_and_changes_no_setting(server, refused, code):
+    """A first append refused (a blank voice or language, as session.start refuses them; an unknown language, a bad
+    field of the message, not the session's `invalid_config`; an unknown voice; too much text) names its context,
+    creates none, and leaves the session as it was: session.start is still taken."""
     async def go():
         conn = await session(server)
         await conn.send(**{"type": "text.append", "context_id": "r", "text": "Hi.", **refused})
         error = (await conn.until(lambda e: e["type"] == "error"))[-1]
-        assert error["context_id"] == "r" and error["code"] in ("invalid_message", "unknown_voice",
-                                                                 "text_too_long"), error
+        assert error["context_id"] == "r" and error["code"] == code, error
         await conn.send(type="session.start", preset="pcm")
         assert (await conn.until(lambda e: e["type"] == "session.started"))[-1]["audio"]["encoding"] == "pcm_s16le"
         await conn.send(type="text.append", context_id="r", text="Hi.", instructions="")  # "": no instructions
@@ -688,7 +690,8 @@ def test_ping_keepalive_and_graceful_close(server, mode):
 
 def test_a_graceful_close_can_still_be_cut_short(server):
     """During a graceful close the client may still stop what is finishing: a context.cancel (barge-in) is acked and
-    an abort ends the rest; new text is refused, naming its context, and so is a second graceful close."""
+    an abort ends the rest, its acks echoing its event_id; new text is refused, naming its context, and so is a
+    second graceful close."""
     async def go():
         conn = await session(server)
         for context_id in ("a", "b"):
@@ -697,7 +700,7 @@ def test_a_graceful_close_can_still_be_cut_short(server):
         await conn.send(type="context.cancel", context_id="a")
         await conn.send(type="text.append", context_id="late", text="Too late.")
         await conn.send(type="session.close", mode="graceful", event_id="again")
-        await conn.send(type="session.close", mode="abort")
+        await conn.send(type="session.close", mode="abort", event_id="abort")
         events = await conn.until(lambda e: e["type"] == "session.closed")
         with pytest.raises(ConnectionClosed) as closed:
             await conn.next(timeout=10)
@@ -706,6 +709,9 @@ def test_a_graceful_close_can_still_be_cut_short(server):
     events, code = run(go())
     ends = {e["context_id"]: e["type"] for e in events if e["type"] in ("context.cancelled", "context.done")}
     assert ends.get("a") == "context.cancelled" and "b" in ends and code == 1000, events  # b: or done before it
+    # the abort's acks echo its event_id (a hostile try: it appeared nowhere)
+    assert all(e.get("event_id") == "abort" for e in events
+               if e["type"] == "context.cancelled" and e["context_id"] == "b")
     late = [e for e in events if e["type"] == "error"]
     assert [(e["code"], e.get("context_id"), e.get("event_id")) for e in late] == [
         ("invalid_message", "late", None), ("invalid_message", None, "again")]  # a second graceful close too

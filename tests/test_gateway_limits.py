@@ -292,11 +292,19 @@ async def context_done(ws, context_id: str) -> list[dict]:
     return events
 
 
-def test_a_context_whose_text_stops_gives_its_engine_slot_back_and_speaks_on_when_text_comes(monkeypatch):
-    """A client that opens contexts, stops their text and keeps its session alive (keepalives) held engine slots for
-    good (a hostile try held every slot so): after TEXT_PAUSE_S without text the utterance being spoken closes, its
-    request ends, and later text starts the next utterance of the same context."""
+# what a client may send while its text has stopped: keepalives, or text with nothing to say (a hostile try held
+# every slot of the engine with a space a context every 3.5 s: text, but none to speak)
+NOTHING_TO_SAY = [{"type": "keepalive"}] + [{"type": "text.append", "context_id": "paused", "text": text}
+                                            for text in (" ", ",", "\n", "\u200b ", "!?", " - ")]
+
+
+@pytest.mark.parametrize("filler", ["keepalive", "blank text"])
+def test_a_context_whose_text_stops_gives_its_engine_slot_back_and_speaks_on_when_text_comes(monkeypatch, filler):
+    """A client that opens contexts, stops their text and keeps its session alive (keepalives, or text with no letter
+    or digit) held engine slots for good (hostile tries held every slot so): after TEXT_PAUSE_S without text to say
+    the utterance being spoken closes, its request ends, and later text starts the next utterance of the context."""
     monkeypatch.setattr(speech_context, "TEXT_PAUSE_S", 0.5)
+    fillers = NOTHING_TO_SAY[:1] if filler == "keepalive" else NOTHING_TO_SAY[1:]
     first = "Hello there my friend"
 
     async def go(running):
@@ -311,9 +319,11 @@ def test_a_context_whose_text_stops_gives_its_engine_slot_back_and_speaks_on_whe
             while running.metric("voxgate_engine_requests_active") == 0:  # its first utterance is speaking
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
+            sent = 0
             while running.metric("voxgate_engine_requests_active") != 0:  # ... and ends, with no text coming
                 assert time.monotonic() < deadline, "a context with no text coming kept its engine slot"
-                await ws.send(json.dumps({"type": "keepalive"}))
+                await ws.send(json.dumps(fillers[sent % len(fillers)]))
+                sent += 1
                 await asyncio.sleep(0.1)
             await ws.send(json.dumps({"type": "text.append", "context_id": "paused", "text": " and more words."}))
             await ws.send(json.dumps({"type": "context.end", "context_id": "paused"}))

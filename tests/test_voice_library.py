@@ -283,7 +283,7 @@ def test_models_that_cannot_make_voices_and_voice_design(tiny_checkpoints, tmp_p
         designed = speech(server, "narrator")
         assert designed[0] == 200 and designed == speech(server, "design", instructions="A calm, low narrator's voice.")
         assert speech(server, "narrator", instructions="Another voice.")[0] == 400
-        assert asyncio.run(designed_session_names_stored(server)) == "invalid_config"
+        assert asyncio.run(designed_session_names_stored(server)) == "invalid_message"
     with running_server(model=tiny_checkpoints["voice_design"], data_dir=data_dir) as server:
         assert speech(server, "narrator") == designed
 

@@ -338,10 +338,11 @@ class Session:
                                     event_id=message.get("event_id")), urgent=True)
 
     def _on_session_close(self, message: dict[str, Any]) -> None:
-        """Graceful: the open contexts finish, then the close; abort (also during a graceful close): they stop. A
-        second graceful close is refused like any message after the first: its `session.closed` answers the first."""
+        """Graceful: the open contexts finish, then the close; abort (also during a graceful close): they stop, each
+        `context.cancelled` echoing the abort's event_id. The one `session.closed` answers the close that began it; a
+        second graceful close is refused like any message after the first."""
         if message.get("mode") == "abort":
-            self.contexts.cancel_all("client")
+            self.contexts.cancel_all("client", {"event_id": message.get("event_id")})  # (a close has no played_ms)
         elif self.closing:
             raise ProtocolError("invalid_message", "the session is already closing; session.close{mode: \"abort\"} "
                                                    "stops what it is finishing")

@@ -11,10 +11,11 @@ planner sees it, holding back what the next piece could still change; a flush, m
 the planner is given (after the lexicon) is bounded by `max_text_chars` like the client's own text: a lexicon that
 expands a context past it ends the context with `TextTooLong`.
 
-A pause closes the utterance being spoken: when no text has come for `TEXT_PAUSE_S`, the text so far is complete for
-the engine (as a flush would make it, with no flush id), so its request finishes and gives its engine slot back;
-later text starts the next utterance. A context whose text stops (and is never ended) would otherwise hold a slot
-for as long as its client keeps the session alive, and a few such sessions would hold every slot of the engine.
+A pause closes the utterance being spoken: when no text to say (a letter or a digit) has come for `TEXT_PAUSE_S`,
+the text so far is complete for the engine (as a flush would make it, with no flush id), so its request finishes
+and gives its engine slot back; later text starts the next utterance. A context whose text stops (and is never
+ended) would otherwise hold a slot for as long as its client keeps the session alive, and a few such sessions would
+hold every slot of the engine.
 """
 from __future__ import annotations
 
@@ -137,7 +138,8 @@ class SpeechContext:
             return
         loop = asyncio.get_running_loop()
         self.planner.append(text, loop.time())
-        self._last_text_at = loop.time()
+        if speakable(text):  # only text with something to say: spaces alone held a slot for good (a hostile try)
+            self._last_text_at = loop.time()
         if self._pause is None:  # one timer a context, not one an append: it looks at the last text's time
             self._pause = loop.call_later(TEXT_PAUSE_S, self._on_pause)
         waiting = self.planner.open
