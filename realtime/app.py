@@ -11,7 +11,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -190,11 +193,38 @@ def create_app(gateway: Gateway) -> Starlette:
     if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
         routes += [Route("/", demo_page),
                    Mount("/static", StaticFiles(directory=WEB_DIR))]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _routing_refusal})
+    cors = Middleware(_Cors, allow_origins=list(gateway.limits.allowed_origins) or ["*"], allow_methods=CORS_METHODS,
+                      allow_headers=CORS_HEADERS, expose_headers=CORS_EXPOSED, max_age=600)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[cors],
+                    exception_handlers={HTTPException: _routing_refusal})
     # a path that matches no route is the API's JSON 404, never a redirect: starlette's 307 to the path with its
     # trailing slash changed sent GET /v1/audio/voices/%2F (a voice id "/") to the voice list
     app.router.redirect_slashes = False
     return app
+
+
+# A page on another origin (one `--allowed-origin` names; any without it, as the socket and the key checks take any)
+# calls the HTTP API through CORS: its preflight is answered, and its responses carry the headers a script may read
+CORS_METHODS = ["GET", "POST", "DELETE"]
+CORS_HEADERS = ["Authorization", "Content-Type"]
+CORS_EXPOSED = ["X-Sample-Rate", "X-Audio-Samples", "Location"]  # (Content-Type and -Length are always readable)
+
+
+class _Cors(CORSMiddleware):
+    """starlette's CORS, its refused preflight (an origin, method or header it does not allow) the API's JSON
+    error (starlette answers plain text)."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        if not self.is_allowed_origin(origin=request_headers["origin"]):
+            failure = HTTPFailure(403, "unauthorized", "this origin is not allowed (--allowed-origin)")
+        else:
+            failure = HTTPFailure(400, "invalid_message", f"a CORS preflight for a method or header the API does not "
+                                                          f"take (methods {', '.join(CORS_METHODS)}; headers "
+                                                          f"{', '.join(CORS_HEADERS)})")
+        return JSONResponse(failure.body(), failure.status)
 
 
 async def _routing_refusal(request: Request, failure: HTTPException) -> Response:

@@ -221,6 +221,33 @@ def test_the_http_api_takes_the_origins_the_socket_takes(server, origin, status)
         assert response.json()["error"]["code"] == "unauthorized"
 
 
+@pytest.mark.parametrize("origin, method, headers, status", [
+    ("https://app.example", "POST", "authorization, content-type", 200),
+    ("https://app.example", "DELETE", None, 200),
+    ("https://evil.example", "POST", "content-type", 403),
+    ("https://app.example", "PUT", None, 400),
+    ("https://app.example", "POST", "x-forwarded-for", 400)])
+def test_a_listed_origins_page_may_call_the_http_api_through_cors(server, origin, method, headers, status):
+    """A page on an origin the allow list names calls the API with its key and a JSON body, which needs a CORS
+    preflight: it was a 405, so only the socket served such a page. The preflight is answered for the API's
+    methods and headers; another origin, method or header is refused with the API's JSON error; a listed origin's
+    response lets its script read the audio's headers."""
+    asked = {"Origin": origin, "Access-Control-Request-Method": method,
+             **({"Access-Control-Request-Headers": headers} if headers else {})}
+    preflight = httpx.options(server.http + "/v1/audio/speech", headers=asked)
+    assert preflight.status_code == status, preflight.text
+    if status == 200:
+        assert preflight.headers["access-control-allow-origin"] == origin
+        assert method in preflight.headers["access-control-allow-methods"]
+    else:
+        assert preflight.json()["error"]["code"] == ("unauthorized" if status == 403 else "invalid_message")
+    if status == 200 and method == "POST":
+        spoken = httpx.post(server.http + "/v1/audio/speech", headers={"Origin": origin}, timeout=60,
+                            json={"input": "Hi.", "response_format": "pcm", "stream": False})
+        assert spoken.status_code == 200 and spoken.headers["access-control-allow-origin"] == origin
+        assert "X-Audio-Samples" in spoken.headers["access-control-expose-headers"]
+
+
 def test_ready_turns_503_when_the_engine_fails(server):
     server.gateway.engine.error = "RuntimeError: CUDA error: an illegal memory access"
     try:
