@@ -190,7 +190,7 @@ def create_app(gateway: Gateway) -> Starlette:
         *(Route(path, upgrade_required, methods=HTTP_METHODS) for path in SOCKET_PATHS),
         WebSocketRoute("/{path:path}", no_socket),  # every other WebSocket opening, before the static files' mount
     ]
-    if WEB_DIR is not None:  # the browser demo (index at /, files under /static, so that other paths keep their 404 / 405)
+    if WEB_DIR is not None:  # the browser demo: index at /, files under /static (other paths keep their 404 / 405)
         routes += [Route("/", demo_page),
                    Mount("/static", StaticFiles(directory=WEB_DIR))]
     cors = Middleware(_Cors, allow_origins=list(gateway.limits.allowed_origins) or ["*"], allow_methods=CORS_METHODS,

@@ -364,6 +364,54 @@ def test_a_context_whose_text_stops_gives_its_engine_slot_back_and_speaks_on_whe
     assert paused[-1]["audio_ms"] > whole[-1]["audio_ms"] > 0
 
 
+def test_text_that_trickles_in_gives_its_slot_to_a_waiting_request():
+    """A session that keeps every engine slot with text that trickles in (a letter a context every second: never a
+    5 s pause) made every other session wait for as long as it liked (a hostile try: no audio for another session
+    while it ran). While a request waits for a slot, an utterance quiet for CONTENDED_PAUSE_S closes: the other
+    session speaks, and the trickling contexts speak on in their next utterances."""
+    async def hog(running, stop: asyncio.Event) -> list[dict]:
+        async with connect(running.ws) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+            await ws.send(json.dumps({"type": "session.start", "text": {"buffering": "none"}}))
+            for context_id in ("h0", "h1"):  # both slots of the engine
+                await ws.send(json.dumps({"type": "text.append", "context_id": context_id, "text": "Hi there"}))
+            while not stop.is_set():
+                await asyncio.sleep(1.0)
+                for context_id in ("h0", "h1"):
+                    await ws.send(json.dumps({"type": "text.append", "context_id": context_id, "text": " a"}))
+            for context_id in ("h0", "h1"):
+                await ws.send(json.dumps({"type": "context.end", "context_id": context_id}))
+            events: list[dict] = []
+            while sum(e.get("type") == "context.done" for e in events) < 2:
+                if isinstance(message := await asyncio.wait_for(ws.recv(), 60), str):
+                    events.append(json.loads(message))
+            return events
+
+    async def go(running) -> tuple[float, list[dict]]:
+        stop = asyncio.Event()
+        hogging = asyncio.create_task(hog(running, stop))
+        deadline = time.monotonic() + 60
+        while running.metric("voxgate_engine_requests_active") < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)  # both slots held, text trickling
+        async with connect(running.ws) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+            started = time.monotonic()
+            await ws.send(json.dumps({"type": "text.append", "context_id": "v", "text": "Hello there."}))
+            await ws.send(json.dumps({"type": "context.end", "context_id": "v"}))
+            while isinstance(message := await asyncio.wait_for(ws.recv(), 60), str):
+                assert json.loads(message)["type"] != "error", message
+            waited = time.monotonic() - started
+        stop.set()
+        return waited, await hogging
+
+    with running_server(Limits(), max_batch=2, synthetic_frames_per_token=SHORT_SPEECH) as running:
+        waited, hog_events = asyncio.run(go(running))
+    assert waited < 3 * speech_context.CONTENDED_PAUSE_S + 2.0, waited  # not for as long as the text trickles
+    assert not [e for e in hog_events if e["type"] == "error"]
+
+
 def test_text_that_stops_behind_an_utterance_still_speaking_gives_its_slot_back_too(monkeypatch):
     """The pause came while the next utterance was still queued behind a long one (not started: no slot yet); when
     it started later, nothing closed it and it held its slot for good (a review's finding)."""

@@ -92,6 +92,12 @@ class FrontEnd:
         cancelled while queued leave at once, even when no step follows to report it)."""
         return min(self._waiting_at_step, self.active)
 
+    @property
+    def contended(self) -> bool:
+        """Some request waits for a slot: as the last step left them, or more are open than the engine has slots
+        (no step may have run since: the running ones all wait for text)."""
+        return self.waiting > 0 or self.active > self.slots
+
     def submit(self, request: SynthesisRequest) -> RequestHandle:
         """Queue a request; raises at once RequestError (invalid), EngineFull (as many requests open as the engine
         holds; for a one-shot request, as many as it holds less the places reserved for interactive ones) or

@@ -11,11 +11,11 @@ planner sees it, holding back what the next piece could still change; a flush, m
 the planner is given (after the lexicon) is bounded by `max_text_chars` like the client's own text: a lexicon that
 expands a context past it ends the context with `TextTooLong`.
 
-A pause closes the utterance being spoken: when no text to say (a letter or a digit) has come for `TEXT_PAUSE_S`,
-the text so far is complete for the engine (as a flush would make it, with no flush id), so its request finishes
-and gives its engine slot back; later text starts the next utterance. A context whose text stops (and is never
-ended) would otherwise hold a slot for as long as its client keeps the session alive, and a few such sessions would
-hold every slot of the engine.
+A pause closes the utterance being spoken: when no text to say (a letter or a digit) has come for `TEXT_PAUSE_S`
+(`CONTENDED_PAUSE_S` while requests wait for an engine slot), the text so far is complete for the engine (as a flush
+would make it, with no flush id), so its request finishes and gives its engine slot back; later text starts the next
+utterance. A context whose text stops or trickles (and is never ended) would otherwise hold a slot for as long as
+its client keeps the session alive, and a few such sessions would hold every slot of the engine.
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ from realtime.ws.utterances import Utterance, UtterancePlanner
 # seconds without text after which the utterance being spoken closes; an LLM streams tens of tokens a second, so only
 # a client whose text has stopped (a stalled LLM, a tool call, a client that never ends its context) waits this long
 TEXT_PAUSE_S = 5.0
+# ... and while requests wait for an engine slot: a slot held for text that trickles in (a hostile try held every
+# slot with a letter a context every 3.5 s) goes to a waiting request; the context speaks on in its next utterance
+CONTENDED_PAUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ class SpeechContext:
         if speakable(text):  # only text with something to say: spaces alone held a slot for good (a hostile try)
             self._last_text_at = loop.time()
         if self._pause is None:  # one timer a context, not one an append: it looks at the last text's time
-            self._pause = loop.call_later(TEXT_PAUSE_S, self._on_pause)
+            self._pause = loop.call_later(min(TEXT_PAUSE_S, CONTENDED_PAUSE_S), self._on_pause)
         waiting = self.planner.open
         if waiting is not None and not waiting.started and waiting.index not in self._timers:
             # a hair late, so that the planner's clock has passed the delay when the timer wakes it
@@ -208,17 +211,19 @@ class SpeechContext:
         self._end_early(SlowReader(f"the client read too little of its audio for {self.read_ahead.limit_s:g} s"))
 
     def _on_pause(self) -> None:
-        """No text for TEXT_PAUSE_S: an utterance that is speaking (it holds an engine slot) closes. One not started
-        (buffering, or queued behind one still speaking) holds no slot yet: it is looked at again a pause later."""
+        """No text to say for TEXT_PAUSE_S (CONTENDED_PAUSE_S while requests wait for a slot): an utterance that is
+        speaking (it holds an engine slot) closes. One not started (buffering, or queued behind one still speaking)
+        holds no slot yet. Otherwise it is looked at again, at most CONTENDED_PAUSE_S later (contention may begin)."""
         self._pause = None
         utterance = self.planner.open
         if self._ended or utterance is None:
             return
         loop = asyncio.get_running_loop()
         quiet_s = loop.time() - self._last_text_at
-        if quiet_s < TEXT_PAUSE_S or not utterance.started:  # text came since, or no slot held yet: look again
-            self._pause = loop.call_later(TEXT_PAUSE_S - quiet_s if quiet_s < TEXT_PAUSE_S else TEXT_PAUSE_S,
-                                          self._on_pause)
+        limit_s = CONTENDED_PAUSE_S if self.engine.contended else TEXT_PAUSE_S
+        if quiet_s < limit_s or not utterance.started:  # text came since, or no slot held yet: look again
+            wait_s = limit_s - quiet_s if quiet_s < limit_s else limit_s
+            self._pause = loop.call_later(min(wait_s, CONTENDED_PAUSE_S), self._on_pause)
             return
         self._release_held()
         self.planner.close()
