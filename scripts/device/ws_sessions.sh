@@ -12,7 +12,8 @@
 # `stress[N]` (the same, each next context at once), `ttsR` (tts_bench at R req/s for $TTS_DURATION [40s] after its
 # 10 s warm-up). TREE [this repository]: the tree the server runs from (another revision's copy).
 # Every server gets `--device cuda --port 8000 --synthetic-frames-per-token 3.5 --max-sessions 600` before its own
-# flags. Reports, JSON, server logs and the GPU's peak memory to $OUT.
+# flags. Reports, JSON, server logs, the GPU's peak memory and the engine's time series (`metrics_trace.py`, 0.25 s)
+# to $OUT; with TTS_ARCHIVES=1, tts_bench's per-request records too (`run.sh`'s archive).
 set -uo pipefail
 if [ $# -lt 2 ]; then
     sed -n '2,12p' "$0" >&2
@@ -36,10 +37,14 @@ for configuration in "$@"; do
     python3 "$HERE/wait_ready.py" http://127.0.0.1:8000 600 $server || exit 1
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/gpu-memory-$name.txt" &
     sampler=$!
+    python3 "$HERE/metrics_trace.py" http://127.0.0.1:8000 0.25 > "$OUT/trace-$name.jsonl" 2>&1 &
+    tracer=$!
     for load in $loads; do
         kind=${load%%[0-9]*} count=${load#"${load%%[0-9]*}"}
         if [ "$kind" = tts ]; then
-            OUT= "$REPO/scripts/tts_bench/run.sh" http://127.0.0.1:8000 "$count" \
+            archive=
+            [ "${TTS_ARCHIVES:-}" = 1 ] && archive=$OUT
+            OUT=$archive "$REPO/scripts/tts_bench/run.sh" http://127.0.0.1:8000 "$count" \
                 "${TTS_DURATION:-40s}" > "$OUT/tts-$count-$name.txt" 2>&1
             echo "== $name, tts_bench $count req/s ($tree $flags):"; grep -v "^INFO\|^\[" "$OUT/tts-$count-$name.txt" | tail -25
             continue
@@ -52,7 +57,7 @@ for configuration in "$@"; do
             > "$OUT/ws-$sessions-$kind-$name.json" 2> "$OUT/ws-$sessions-$kind-$name.err"
         echo "== $name, $sessions sessions, $kind ($tree $flags): $(cat "$OUT/ws-$sessions-$kind-$name.json")"
     done
-    kill $sampler
+    kill $sampler $tracer
     echo "== $name: GPU memory used, peak $(sort -n "$OUT/gpu-memory-$name.txt" | tail -1) MiB"
     kill -INT $server
     wait $server
