@@ -1,7 +1,8 @@
 """The response of `POST /v1/audio/speech`: a request's audio encoded as it is made (`audio/containers.py`; the
 containers on a worker thread, as the socket encodes, so that no response holds up the event loop) and sent as a
-chunked body, as OpenAI's `speech.audio.delta` / `speech.audio.done` events, or whole with its length; and the
-endpoint's share of the metrics: time to first audio from the request's arrival, audio seconds, errors by code."""
+chunked body, as OpenAI's `speech.audio.delta` / `speech.audio.done` events, or whole with its length (made into a
+file that goes to disk once large, then sent from it in blocks); and the endpoint's share of the metrics: time to
+first audio from the request's arrival, audio seconds, errors by code."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from prometheus_client import Counter
@@ -20,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from realtime.audio.containers import ContainerBody, PcmBody, body_encoder
+from realtime.audio.containers import ContainerBody, PcmBody, body_encoder, whole_file
 from realtime.audio.formats import CONTENT_TYPES, MODEL_SAMPLE_RATE
 from realtime.errors import HTTPFailure
 from realtime.metrics import TransportMetrics
@@ -32,6 +33,7 @@ Encoded = AsyncIterator[tuple[bytes, int]]  # (bytes ready to send, samples that
 T = TypeVar("T")
 CLIENT_GONE = 499  # the status counted for a body whose client left before it was all made and sent (nginx's)
 SAMPLES_PER_FRAME = MODEL_SAMPLE_RATE * 2 // 25  # one 12.5 Hz codec frame (1920): the audio token `usage` counts
+WHOLE_BLOCK_BYTES = 1 << 16  # a whole body goes out from its file in blocks of this size
 
 
 @dataclass
@@ -44,9 +46,9 @@ class Delivery:
     input_tokens: int = 0  # the text's tokens (set for SSE, whose last event reports usage)
     samples: int = 0  # model-rate samples sent so far
 
-    def sent(self, samples: int, data: bytes) -> None:
-        """After `data` went out, carrying the encoder's output for `samples` more samples."""
-        if data and samples and not self.first_audio_sent:
+    def sent(self, samples: int, size: int) -> None:
+        """After `size` bytes went out, carrying the encoder's output for `samples` more samples."""
+        if size and samples and not self.first_audio_sent:
             self.first_audio_sent = True
             self.metrics.ttfa.observe(time.monotonic() - self.arrived)
         self.samples += samples
@@ -69,15 +71,10 @@ async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarra
     """Streamed responses start once the first audio is made, so that a request failing before any audio gets its
     error status instead of an empty 200. `disconnected` returns once the client has gone: a whole body still being
     made stops then (a streamed one stops when its send fails)."""
-    encoder = body_encoder(spoken.response_format, streamed=spoken.stream)
     headers = {"X-Sample-Rate": str(MODEL_SAMPLE_RATE)}
     if not spoken.stream:
-        made, body = await _unless_gone(_joined(_encoded(chunks, encoder)), disconnected)
-        if not made:
-            return Response(status_code=CLIENT_GONE)
-        delivery.sent(encoder.samples, body)
-        return Response(body, media_type=CONTENT_TYPES[spoken.response_format],
-                        headers={**headers, "X-Audio-Samples": str(encoder.samples)})
+        return await _whole_response(spoken, chunks, delivery, disconnected, headers)
+    encoder = body_encoder(spoken.response_format)
     # the first audio may wait long for an engine slot: a client gone meanwhile frees its place in the queue
     made, first = await _unless_gone(_first(chunks), disconnected)
     if not made:
@@ -88,6 +85,55 @@ async def speech_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarra
         return CountedStream(_sse_body(pieces, delivery), delivery, media_type="text/event-stream")
     return CountedStream(_audio_body(pieces, delivery), delivery, media_type=CONTENT_TYPES[spoken.response_format],
                          headers=headers)
+
+
+async def _whole_response(spoken: SpeechRequest, chunks: AsyncIterator[np.ndarray], delivery: Delivery,
+                          disconnected: Callable[[], Awaitable[object]], headers: dict[str, str]) -> Response:
+    """The body made whole into its file, then sent from it with its length."""
+    body = whole_file()
+    encoder = body_encoder(spoken.response_format, into=body)
+    try:
+        made, _ = await _unless_gone(_drained(_encoded(chunks, encoder)), disconnected)
+    except BaseException:
+        _discard(encoder, body)
+        raise
+    if not made:
+        _discard(encoder, body)
+        return Response(status_code=CLIENT_GONE)
+    size = body.tell()
+    delivery.sent(encoder.samples, size)
+    return WholeBody(body, size, media_type=CONTENT_TYPES[spoken.response_format],
+                     headers={**headers, "X-Audio-Samples": str(encoder.samples)})
+
+
+def _discard(encoder: PcmBody | ContainerBody, body: BinaryIO) -> None:
+    """Close an unfinished body's file once its encoder is closed (on a worker thread after a call still running
+    there, as `_encoded` closes it), so that the muxer never writes to a closed file."""
+    def close() -> None:
+        encoder.close()
+        body.close()
+    if encoder.off_loop:
+        asyncio.get_running_loop().run_in_executor(None, close)
+    else:
+        close()
+
+
+class WholeBody(Response):
+    """A whole body sent from its file in blocks, with its length; the file is closed once sent or abandoned."""
+
+    def __init__(self, file: BinaryIO, size: int, media_type: str, headers: dict[str, str]) -> None:
+        super().__init__(media_type=media_type, headers={**headers, "Content-Length": str(size)})
+        self.file = file
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            self.file.seek(0)
+            while block := self.file.read(WHOLE_BLOCK_BYTES):
+                await send({"type": "http.response.body", "body": block, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.file.close()
 
 
 class CountedStream(StreamingResponse):
@@ -137,9 +183,11 @@ async def _first(chunks: AsyncIterator[np.ndarray]) -> np.ndarray | None:
     return await anext(chunks, None)
 
 
-async def _joined(pieces: Encoded) -> bytes:
+async def _drained(pieces: Encoded) -> None:
+    """Run a whole body's encoding to its end (it writes to its file)."""
     async with contextlib.aclosing(pieces):
-        return b"".join([data async for data, _ in pieces])
+        async for _ in pieces:
+            pass
 
 
 # Every generator of the chain closes the one it reads (`aclosing`): a client that leaves while a worker thread
@@ -178,7 +226,7 @@ async def _audio_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[byte
             async for data, samples in pieces:
                 if data:
                     yield data
-                delivery.sent(samples, data)
+                delivery.sent(samples, len(data))
     except HTTPFailure as failure:
         delivery.failed(failure)
         log.warning("a streamed speech response ended early: %s", failure.code)
@@ -192,7 +240,7 @@ async def _sse_body(pieces: Encoded, delivery: Delivery) -> AsyncIterator[bytes]
             async for data, samples in pieces:
                 if data:
                     yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
-                delivery.sent(samples, data)
+                delivery.sent(samples, len(data))
         yield _event({"type": "speech.audio.done", "usage": delivery.usage()})
     except HTTPFailure as failure:
         delivery.failed(failure)

@@ -14,7 +14,8 @@ import pytest
 import soundfile
 import soxr
 
-from realtime.audio.containers import body_encoder, format_available
+from realtime.audio import containers
+from realtime.audio.containers import body_encoder, format_available, whole_file
 from realtime.audio.encoders import OPUS_COMPLEXITY, OPUS_MODES, StreamEncoder, opus_mode
 from realtime.audio.formats import (
     DEFAULT_RATES,
@@ -310,8 +311,15 @@ EXTRA = {"aac": (1024, 1024 + 1023), "mp3": (0, 1152 + 576 + 575)}
 
 
 def encode_body(response_format: str, streamed: bool, pieces: list[np.ndarray]) -> tuple[list[bytes], int]:
-    encoder = body_encoder(response_format, streamed)
+    """Streamed: the bytes each call returned; whole: the file the calls wrote (they return nothing)."""
+    into = None if streamed else whole_file()
+    encoder = body_encoder(response_format, into)
     parts = [encoder.encode(piece) for piece in pieces] + [encoder.finish()]
+    if into is not None:
+        assert parts == [b""] * len(parts)
+        into.seek(0)
+        parts = [into.read()]
+        into.close()
     return parts, encoder.samples
 
 
@@ -356,6 +364,27 @@ def test_lossless_bodies_carry_the_pcm_exactly(response_format: str) -> None:
         assert np.array_equal(np.rint(audio * 32768).astype(np.int16), to_int16(samples)), streamed
 
 
+@pytest.mark.parametrize("response_format", ("pcm", *CONTAINER_FORMATS))
+def test_a_whole_body_goes_to_disk_past_its_memory_bound(response_format: str) -> None:
+    """A long whole body (up to max_text_chars of speech) is not held in memory while it is made: its file rolls to
+    disk past WHOLE_IN_MEMORY_BYTES, and the body read back is the one made in memory."""
+    samples = sine(MODEL_SAMPLE_RATE * 30)  # 30 s: 1.44 MB of PCM, ~0.1-1 MB in the lossy formats
+    in_memory = b"".join(encode_body(response_format, False, [samples])[0])
+    bound = len(in_memory) // 3
+    assert bound > 1000
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(containers, "WHOLE_IN_MEMORY_BYTES", bound)
+        into = whole_file()
+        encoder = body_encoder(response_format, into)
+        for start in range(0, len(samples), 1920):
+            encoder.encode(samples[start:start + 1920])
+        encoder.finish()
+    assert into._rolled  # SpooledTemporaryFile's own flag: the bytes are in a file on disk now
+    into.seek(0)
+    assert into.read() == in_memory
+    into.close()
+
+
 def test_pcm_is_s16le_as_it_comes() -> None:
     samples = sine()
     parts, taken = encode_body("pcm", True, random_pieces(samples, seed=4))
@@ -368,7 +397,7 @@ def test_a_streamed_body_is_decodable_as_the_audio_comes(response_format: str) -
     """After each 80 ms chunk (the engine's chunk at 12.5 Hz) the bytes out so far decode to all but a codec's
     frame or two of what went in: the body is sent as it is made, not held to the end."""
     samples, chunk = sine(MODEL_SAMPLE_RATE), 1920
-    encoder, sent = body_encoder(response_format, streamed=True), b""
+    encoder, sent = body_encoder(response_format), b""
     behind = []
     for start in range(0, len(samples), chunk):
         sent += encoder.encode(samples[start:start + chunk])

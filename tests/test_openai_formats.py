@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
+from realtime.audio import containers
 from realtime.audio.formats import CONTENT_TYPES, HTTP_FORMATS, MODEL_SAMPLE_RATE
 from realtime.gateway import Limits
 from tests.gateway_server import RunningServer, running_server
@@ -103,8 +104,11 @@ def test_every_format_streams_as_it_is_made(server, client, response_format):
                   streamed=True)
 
 
+@pytest.mark.parametrize("in_memory_bytes", [containers.WHOLE_IN_MEMORY_BYTES, 256], ids=["in memory", "on disk"])
 @pytest.mark.parametrize("response_format", HTTP_FORMATS)
-def test_a_whole_body_says_its_length(server, client, response_format):
+def test_a_whole_body_says_its_length(server, client, response_format, in_memory_bytes, monkeypatch):
+    """Whole, from memory or (past the bound) from a file on disk: the same body with its exact length."""
+    monkeypatch.setattr(containers, "WHOLE_IN_MEMORY_BYTES", in_memory_bytes)
     before = http_audio_samples(server)
     with client.audio.speech.with_streaming_response.create(
             model="tts-1", voice="vivian", input="Hello there.", response_format=response_format,

@@ -3,15 +3,17 @@ writes: WAV, FLAC, MP3, AAC in ADTS, Opus in Ogg.
 
 Streamed, the muxer writes to a sink it cannot seek back in, so every header takes its "length unknown" form (WAV's
 sizes 0xFFFFFFFF, FLAC's total samples 0, no MP3 Xing frame) and each packet leaves as soon as it is made. Whole, it
-writes to a seekable buffer and its trailer goes back to the headers: exact WAV sizes, FLAC's total and MD5, MP3's
-Xing/LAME frame (with which decoders trim the encoder's delay). ADTS cannot say that AAC's first 1024 samples are
-priming, so AAC decodes to that much more audio in either form; so does a streamed MP3 (its delay and last frame).
+writes to a seekable file (`whole_file`: in memory while small, on disk past `WHOLE_IN_MEMORY_BYTES`) and its trailer
+goes back to the headers: exact WAV sizes, FLAC's total and MD5, MP3's Xing/LAME frame (with which decoders trim the
+encoder's delay). ADTS cannot say that AAC's first 1024 samples are priming, so AAC decodes to that much more audio
+in either form; so does a streamed MP3 (its delay and last frame).
 """
 from __future__ import annotations
 
-import io
+import tempfile
 import threading
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import av
 import numpy as np
@@ -21,6 +23,9 @@ from realtime.audio.formats import MODEL_SAMPLE_RATE, pcm_s16le, to_int16
 COMMON_MUXER_OPTIONS = {"fflags": "+bitexact",  # no encoder version in the file: the same audio, the same bytes
                         "metadata_header_padding": "0"}  # FLAC would reserve 8 KiB for taggers ahead of the audio
 STREAMED_MUXER_OPTIONS = {"flush_packets": "1"}  # each packet goes out at once, not when FFmpeg's I/O buffer fills
+# A whole body waits for its end in a file: past this size on disk, so that long whole responses (max_text_chars of
+# text: ~60 MB of WAV with a real model) do not each hold their audio in the gateway's memory.
+WHOLE_IN_MEMORY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -52,16 +57,26 @@ def format_available(response_format: str) -> bool:
     return response_format == "pcm" or (container is not None and container.codec in av.codecs_available)
 
 
+def whole_file() -> BinaryIO:
+    """Where a whole body is written as it is made: in memory up to `WHOLE_IN_MEMORY_BYTES`, then on disk."""
+    return tempfile.SpooledTemporaryFile(max_size=WHOLE_IN_MEMORY_BYTES)
+
+
 class PcmBody:
     """`pcm`: s16le at 24 kHz, no header; cheap enough to run on the event loop."""
     off_loop = False
 
-    def __init__(self) -> None:
+    def __init__(self, into: BinaryIO | None) -> None:
         self.samples = 0  # audio taken so far, at the model's rate
+        self._into = into
 
     def encode(self, samples: np.ndarray) -> bytes:
         self.samples += len(samples)
-        return pcm_s16le(samples)
+        data = pcm_s16le(samples)
+        if self._into is None:
+            return data
+        self._into.write(data)
+        return b""
 
     def finish(self) -> bytes:
         return b""
@@ -80,16 +95,9 @@ class _StreamSink:
         self._parts.append(bytes(data))
         return len(data)
 
-    def take(self, final: bool) -> bytes:
+    def take(self) -> bytes:
         data, self._parts = b"".join(self._parts), []
         return data
-
-
-class _FileSink(io.BytesIO):
-    """A seekable buffer: nothing is ready before the trailer has fixed the headers; then the whole file."""
-
-    def take(self, final: bool) -> bytes:
-        return self.getvalue() if final else b""
 
 
 class ContainerBody:
@@ -97,13 +105,13 @@ class ContainerBody:
     enough to run on a worker thread. Its calls hold a lock, so that `close` waits for a call still running there."""
     off_loop = True
 
-    def __init__(self, response_format: str, streamed: bool) -> None:
+    def __init__(self, response_format: str, into: BinaryIO | None) -> None:
         spec = CONTAINERS[response_format]
         self._spec = spec
-        self._sink = _StreamSink() if streamed else _FileSink()
+        self._sink = _StreamSink() if into is None else None
         options = {**COMMON_MUXER_OPTIONS, **spec.muxer_options,
-                   **(STREAMED_MUXER_OPTIONS | spec.streamed_muxer_options if streamed else {})}
-        self._container = av.open(self._sink, "w", format=spec.muxer, options=options)
+                   **(STREAMED_MUXER_OPTIONS | spec.streamed_muxer_options if into is None else {})}
+        self._container = av.open(self._sink or into, "w", format=spec.muxer, options=options)
         self._stream = self._container.add_stream(spec.codec, rate=MODEL_SAMPLE_RATE, layout="mono",
                                                   options=dict(spec.codec_options))
         self._stream.codec_context.format = spec.sample_format
@@ -117,14 +125,18 @@ class ContainerBody:
         with self._lock:
             if len(samples):
                 self._mux(self._frame(np.asarray(samples, dtype=np.float32).reshape(-1)))
-            return self._sink.take(final=False)
+            return self._taken()
 
     def finish(self) -> bytes:
-        """The rest: the codec's delayed packets and the trailer (whole: the complete file)."""
+        """The rest: the codec's delayed packets and the trailer (whole: the file complete)."""
         with self._lock:
             self._mux(None)
             self._close()
-            return self._sink.take(final=True)
+            return self._taken()
+
+    def _taken(self) -> bytes:
+        """Streamed, what the muxer wrote since the last call; whole, nothing (it is all in the file)."""
+        return b"" if self._sink is None else self._sink.take()
 
     def close(self) -> None:
         """Free the codec and muxer (FFmpeg's threads and buffers) of a response cut short, now: left to the
@@ -150,7 +162,8 @@ class ContainerBody:
             self._container.mux(packet)
 
 
-def body_encoder(response_format: str, streamed: bool) -> PcmBody | ContainerBody:
-    """The encoder of one response (a format of HTTP_FORMATS that `format_available`): streamed (sent as it is
-    made) or whole (one file once the audio is done)."""
-    return PcmBody() if response_format == "pcm" else ContainerBody(response_format, streamed)
+def body_encoder(response_format: str, into: BinaryIO | None = None) -> PcmBody | ContainerBody:
+    """The encoder of one response (a format of HTTP_FORMATS that `format_available`): streamed, its calls return
+    the bytes to send as they are made; with `into` (a seekable file, `whole_file`), whole: they write the body there
+    and return nothing, and it is complete once `finish` has returned."""
+    return PcmBody(into) if response_format == "pcm" else ContainerBody(response_format, into)
