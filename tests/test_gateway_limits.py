@@ -10,6 +10,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosed
@@ -410,6 +412,16 @@ def test_text_that_trickles_in_gives_its_slot_to_a_waiting_request():
         waited, hog_events = asyncio.run(go(running))
     assert waited < 3 * speech_context.CONTENDED_PAUSE_S + 2.0, waited  # not for as long as the text trickles
     assert not [e for e in hog_events if e["type"] == "error"]
+
+
+@given(quiet_s=st.floats(0.0, 10.0), late_s=st.floats(0.0, 3.0), played_out=st.booleans())
+def test_a_contended_pause_needs_a_quiet_second_a_listener_run_dry_and_a_timer_on_time(quiet_s, late_s, played_out):
+    """The contended pause cuts a context's speech in two (its next utterance waits for a slot), so a context with
+    audio still to play, or one whose text may wait unread behind a busy loop (its timer came late), keeps its
+    utterance; the trickling hog of the test above has played out its few frames, and is cut."""
+    due = speech_context.contended_pause_due(quiet_s, late_s, played_out)
+    assert due == (quiet_s >= speech_context.CONTENDED_PAUSE_S and played_out
+                   and late_s <= speech_context.LATE_TIMER_S)
 
 
 def test_text_that_stops_behind_an_utterance_still_speaking_gives_its_slot_back_too(monkeypatch):

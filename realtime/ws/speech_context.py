@@ -15,7 +15,12 @@ A pause closes the utterance being spoken: when no text to say (a letter or a di
 (`CONTENDED_PAUSE_S` while requests wait for an engine slot), the text so far is complete for the engine (as a flush
 would make it, with no flush id), so its request finishes and gives its engine slot back; later text starts the next
 utterance. A context whose text stops or trickles (and is never ended) would otherwise hold a slot for as long as
-its client keeps the session alive, and a few such sessions would hold every slot of the engine.
+its client keeps the session alive, and a few such sessions would hold every slot of the engine. The contended pause
+cuts a context's speech in two (its next utterance waits for a slot), so it needs more than a quiet second
+(`contended_pause_due`): its listener has played all it was sent (the slot idles for the client's own slow text; an
+LLM that stops for a second mid-answer while its listener still has audio keeps its utterance), and the gateway's
+loop was not busy (a pause timer that fires late may have text waiting unread behind it: 512 sessions opened at once
+held the loop for over a second on an H100, docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -40,6 +45,14 @@ TEXT_PAUSE_S = 5.0
 # ... and while requests wait for an engine slot: a slot held for text that trickles in (a hostile try held every
 # slot with a letter a context every 3.5 s) goes to a waiting request; the context speaks on in its next utterance
 CONTENDED_PAUSE_S = 1.0
+# a pause timer this late says the loop was busy (text may wait unread in the socket): no contended pause then
+LATE_TIMER_S = 0.1
+
+
+def contended_pause_due(quiet_s: float, late_s: float, played_out: bool) -> bool:
+    """Whether, while requests wait for a slot, the utterance being spoken closes: no text to say for
+    CONTENDED_PAUSE_S, its listener has nothing left to play, and the timer that asks came on time."""
+    return quiet_s >= CONTENDED_PAUSE_S and played_out and late_s <= LATE_TIMER_S
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,10 @@ class SpeechContext:
         self._timers: dict[int, asyncio.TimerHandle] = {}  # utterance index -> its buffering deadline
         self._pause: asyncio.TimerHandle | None = None  # closes the utterance being spoken if no text comes
         self._last_text_at = 0.0  # the loop's time of the last text planned
+        self._pause_due = 0.0  # the loop's time the pause timer was set for
+        # the loop's time by which a client that plays each chunk as it arrives, after the one before, has played
+        # all the audio the context received
+        self._played_until = 0.0
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     @property
@@ -144,7 +161,7 @@ class SpeechContext:
         if speakable(text):  # only text with something to say: spaces alone held a slot for good (a hostile try)
             self._last_text_at = loop.time()
         if self._pause is None:  # one timer a context, not one an append: it looks at the last text's time
-            self._pause = loop.call_later(min(TEXT_PAUSE_S, CONTENDED_PAUSE_S), self._on_pause)
+            self._pause_after(min(TEXT_PAUSE_S, CONTENDED_PAUSE_S))
         waiting = self.planner.open
         if waiting is not None and not waiting.started and waiting.index not in self._timers:
             # a hair late, so that the planner's clock has passed the delay when the timer wakes it
@@ -218,16 +235,22 @@ class SpeechContext:
         utterance = self.planner.open
         if self._ended or utterance is None:
             return
-        loop = asyncio.get_running_loop()
-        quiet_s = loop.time() - self._last_text_at
-        limit_s = CONTENDED_PAUSE_S if self.engine.contended else TEXT_PAUSE_S
-        if quiet_s < limit_s or not utterance.started:  # text came since, or no slot held yet: look again
-            wait_s = limit_s - quiet_s if quiet_s < limit_s else limit_s
-            self._pause = loop.call_later(min(wait_s, CONTENDED_PAUSE_S), self._on_pause)
+        now = asyncio.get_running_loop().time()
+        quiet_s = now - self._last_text_at
+        if not utterance.started or not (quiet_s >= TEXT_PAUSE_S or self.engine.contended and contended_pause_due(
+                quiet_s, now - self._pause_due, played_out=now >= self._played_until)):
+            # look again when the quiet reaches a pause or the listener runs dry; at least each CONTENDED_PAUSE_S
+            moments = (CONTENDED_PAUSE_S - quiet_s, TEXT_PAUSE_S - quiet_s, self._played_until - now)
+            self._pause_after(min([CONTENDED_PAUSE_S, *(t for t in moments if t > 0)]))
             return
         self._release_held()
         self.planner.close()
         self._wake.set()
+
+    def _pause_after(self, delay_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._pause_due = loop.time() + delay_s
+        self._pause = loop.call_later(delay_s, self._on_pause)
 
     def _refuse(self, error: VoxgateError) -> None:
         """End the context now because its own text passed the limit."""
@@ -332,6 +355,8 @@ class SpeechContext:
             start = self.samples
             async for event in request:
                 if isinstance(event, AudioChunk):
+                    now = asyncio.get_running_loop().time()
+                    self._played_until = max(self._played_until, now) + len(event.samples) / MODEL_SAMPLE_RATE
                     self._events.put_nowait(ContextAudio(start + event.start_sample, event.samples))
                     self._queued_audio(len(event.samples))
                     self.samples = max(self.samples, start + event.start_sample + len(event.samples))
