@@ -236,16 +236,23 @@ class SpeechContext:
         if self._ended or utterance is None:
             return
         now = asyncio.get_running_loop().time()
-        quiet_s = now - self._last_text_at
-        if not utterance.started or not (quiet_s >= TEXT_PAUSE_S or self.engine.contended and contended_pause_due(
-                quiet_s, now - self._pause_due, played_out=now >= self._played_until)):
+        if not utterance.started or not self._pause_reached(now):
             # look again when the quiet reaches a pause or the listener runs dry; at least each CONTENDED_PAUSE_S
+            quiet_s = now - self._last_text_at
             moments = (CONTENDED_PAUSE_S - quiet_s, TEXT_PAUSE_S - quiet_s, self._played_until - now)
             self._pause_after(min([CONTENDED_PAUSE_S, *(t for t in moments if t > 0)]))
             return
         self._release_held()
         self.planner.close()
         self._wake.set()
+
+    def _pause_reached(self, now: float) -> bool:
+        """Whether the quiet closes the utterance being spoken: TEXT_PAUSE_S of it, or the contended pause."""
+        quiet_s = now - self._last_text_at
+        if quiet_s >= TEXT_PAUSE_S:
+            return True
+        return self.engine.contended and contended_pause_due(quiet_s, now - self._pause_due,
+                                                             played_out=now >= self._played_until)
 
     def _pause_after(self, delay_s: float) -> None:
         loop = asyncio.get_running_loop()
