@@ -83,7 +83,7 @@ def run_synth(args: argparse.Namespace) -> None:
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from realtime.gateway import Limits
+    from realtime.gateway import GPU_BUSY_BATCH, Limits
     from realtime.voice_store import default_data_dir
 
     d = Limits()
@@ -144,6 +144,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission",
                    help="all (every ready request is prefilled at once) or protect (a prefill waits, at most "
                         "0.1 s, while a running stream's buffer is thin); default: all")
+    p.add_argument("--busy-batch", type=int, metavar="N",
+                   help="in an engine step of more than N requests a new stream's first chunk waits for a second "
+                        "frame (slack for its client's reads, for one step of time to first audio); N at least the "
+                        f"engine's slots: never; default: {GPU_BUSY_BATCH} on a GPU, never on the CPU")
     p.add_argument("--encoder-workers", type=int,
                    help="processes that encode the sockets' audio (Opus, resampling) beside the event loop "
                         "(default: half the cores, 1 to 8)")
@@ -174,6 +178,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise VoxgateError(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.port <= 65535:
         raise VoxgateError(f"--port {args.port}: a port is 0 to 65535")
+    if args.busy_batch is not None and args.busy_batch < 0:
+        raise VoxgateError("--busy-batch must be at least 0")
     if args.idle_timeout <= 0 or args.max_message_rate <= 0 or args.handshake_timeout <= 0:
         raise VoxgateError("--idle-timeout, --handshake-timeout and --max-message-rate must be positive")
     _check_scheduling(args.chunk_schedule, args.admission)
@@ -196,7 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              engine_process={"auto": None, "on": True, "off": False}[args.engine_process],
                              synthetic_frames_per_token=args.synthetic_frames_per_token, openai_voices=openai_voices,
                              data_dir=args.data_dir, chunk_schedule=args.chunk_schedule, admission=args.admission,
-                             encoder_workers=args.encoder_workers)
+                             busy_batch=args.busy_batch, encoder_workers=args.encoder_workers)
     try:
         return serve(options, args.host, args.port)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop

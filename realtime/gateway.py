@@ -61,6 +61,11 @@ GPU_MAX_SLOTS = 256
 # either (docs/benchmarks.md, "A burst of sessions"). On the CPU, where the tiny model runs slower than real time and
 # every buffer is thin, the fixed schedule stays.
 GPU_SCHEDULING = ("lead", "all")
+# On a GPU a step of more than this many requests is busy: a new stream's first chunk waits for a second frame (160 ms
+# of audio instead of 80 before its next chunk must be read; engine/core/decoding.py, `first_chunk`). Light load
+# keeps the one-frame start (time to first audio); under tts_bench at 60-100 req/s the one-frame starts were where
+# every underrun came (docs/benchmarks.md, "A busy engine's first chunks").
+GPU_BUSY_BATCH = 32
 # Sessions, unless --max-sessions says: one per engine slot, at least MIN_SESSIONS (the CPU's 8 slots keep 64). A
 # session speaks one context at a time in practice (it may open max_contexts, each one utterance at a time), so every
 # session can speak at once without waiting for a slot; one more would wait seconds, for a slot to free, for its
@@ -118,6 +123,7 @@ class GatewayOptions:
     data_dir: Path | None = None  # the voice library's directory; None: voices uploaded are kept in memory only
     chunk_schedule: str | None = None  # EngineConfig's: "fixed" | "lead"; None: GPU_SCHEDULING on a GPU, else fixed
     admission: str | None = None  # EngineConfig's: "all" | "protect"; None: GPU_SCHEDULING on a GPU, else all
+    busy_batch: int | None = None  # EngineConfig's; None: GPU_BUSY_BATCH on a GPU, none on the CPU
     encoder_workers: int | None = None  # audio encoder processes; None: half the cores, 1 to 8 (encoder_pool.py)
 
 
@@ -273,8 +279,10 @@ class Gateway:
         (`--max-batch` sets them instead); on the CPU 8."""
         options = self.options
         schedule, admission = GPU_SCHEDULING if self._gpu() else ("fixed", "all")
+        busy = options.busy_batch if options.busy_batch is not None else GPU_BUSY_BATCH if self._gpu() else None
         common = dict(synthetic_frames_per_token=options.synthetic_frames_per_token,
-                      chunk_schedule=options.chunk_schedule or schedule, admission=options.admission or admission)
+                      chunk_schedule=options.chunk_schedule or schedule, admission=options.admission or admission,
+                      busy_batch=busy)
         if self._gpu():
             sized = options.max_batch is None
             return EngineConfig(max_batch=options.max_batch or GPU_MAX_SLOTS,

@@ -47,7 +47,8 @@ def smoothness(arrivals: list[Arrival], args: argparse.Namespace) -> list[tuple[
     for chunks in ("fixed", "lead"):
         for admission in ("all", "protect"):
             scheduler = Scheduler(args.slots, "deadline", args.max_step_batch, admission=admission)
-            requests = simulate(arrivals, scheduler, CostModel(), chunks=chunks, chunk_frames=args.chunk_frames)
+            requests = simulate(arrivals, scheduler, CostModel(), chunks=chunks, chunk_frames=args.chunk_frames,
+                                busy_batch=args.busy_batch)
             out.append((f"chunks {chunks}, admission {admission}", summarize(requests)))
     return out
 
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=512)
     parser.add_argument("--max-step-batch", type=int, default=256)
     parser.add_argument("--chunk-frames", type=int, default=4)
+    parser.add_argument("--busy-batch", type=int, metavar="N", help="first chunks of two frames in steps of more")
     parser.add_argument("--compare", choices=["policies", "smoothness"], default="policies")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--burst", type=int, metavar="N", help="N sessions opened at once instead of Poisson arrivals")

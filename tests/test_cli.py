@@ -235,6 +235,7 @@ def test_serve_holds_each_utterance_to_its_synthetic_length(tiny_checkpoints, tm
 @pytest.mark.parametrize("args,message", [
     (["--chunk-schedule", "bogus"], "--chunk-schedule 'bogus': choose one of fixed, lead"),
     (["--admission", "nope"], "--admission 'nope': choose one of all, protect"),
+    (["--busy-batch", "-1"], "--busy-batch must be at least 0"),
 ])
 def test_serve_refuses_unknown_scheduling_by_name(args, message):
     run = voxgate("serve", *args)
@@ -244,22 +245,24 @@ def test_serve_refuses_unknown_scheduling_by_name(args, message):
 def test_serve_scheduling_reaches_the_engine():
     from realtime.gateway import Gateway, GatewayOptions
 
-    config = Gateway(GatewayOptions(chunk_schedule="lead", admission="protect"))._engine_config()
-    assert (config.chunk_schedule, config.admission) == ("lead", "protect")
+    config = Gateway(GatewayOptions(chunk_schedule="lead", admission="protect", busy_batch=5))._engine_config()
+    assert (config.chunk_schedule, config.admission, config.busy_batch) == ("lead", "protect", 5)
 
 
 def test_scheduling_defaults_fit_the_machine():
-    """Unset, a GPU serves with the lead schedule, the CPU (the tiny model slower than real time, every buffer thin)
-    with the fixed schedule, both admitting every ready request; a flag always wins."""
-    from realtime.gateway import GPU_SCHEDULING, Gateway, GatewayOptions
+    """Unset, a GPU serves with the lead schedule and longer first chunks in busy steps, the CPU (the tiny model
+    slower than real time, every buffer thin) with the fixed schedule and one-frame starts, both admitting every
+    ready request; a flag always wins."""
+    from realtime.gateway import GPU_BUSY_BATCH, GPU_SCHEDULING, Gateway, GatewayOptions
 
-    def scheduling(**options) -> tuple[str, str]:
+    def scheduling(**options) -> tuple[str, str, int | None]:
         config = Gateway(GatewayOptions(**options))._engine_config()
-        return config.chunk_schedule, config.admission
+        return config.chunk_schedule, config.admission, config.busy_batch
 
-    assert scheduling() == ("fixed", "all")
-    assert scheduling(device="cuda") == GPU_SCHEDULING == ("lead", "all")
-    assert scheduling(device="cuda", chunk_schedule="fixed", admission="protect") == ("fixed", "protect")
+    assert scheduling() == ("fixed", "all", None)
+    assert scheduling(device="cuda") == (*GPU_SCHEDULING, GPU_BUSY_BATCH) == ("lead", "all", 32)
+    assert scheduling(device="cuda", chunk_schedule="fixed", admission="protect", busy_batch=1000) == (
+        "fixed", "protect", 1000)
 
 
 def test_session_limit_follows_the_engine_slots():

@@ -192,7 +192,7 @@ def test_a_first_chunk_is_decoded_first_and_waited_for_without_its_steps_larger_
     runners = [engine.running[i] for i in ids]
     while min(seq.decoded_frames for seq in runners) < 4:  # their chunks have grown past one frame
         engine.step()
-    while any(len(seq.pending) + 1 < engine.decoding.chunk_due(seq.decoded_frames) for seq in runners):
+    while any(len(seq.pending) + 1 < engine.decoding.chunk_due(seq.decoded_frames, 1) for seq in runners):
         engine.step()  # the next step has both runners' chunks due
     newcomer = engine.submit(reqs[2])
     events = engine.step()

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.core.decoding import LEAD_MARGIN, later_chunk_lengths, lead_chunk, lead_chunk_lengths
+from engine.core.decoding import LEAD_MARGIN, first_chunk, later_chunk_lengths, lead_chunk, lead_chunk_lengths
 from engine.core.engine import Engine, EngineConfig
 from engine.core.scheduler import FRAME_SECONDS, MAX_ADMISSION_WAIT_S, Scheduler
 from engine.core.simulator import Arrival, CostModel, poisson_workload, simulate
@@ -40,6 +40,36 @@ def test_lead_chunk_properties(decoded, lead, more, first, largest):
     longer = [m for m in later_chunk_lengths(largest) if n < m]
     assert not longer or min(longer) > fits
     assert lead_chunk(decoded, lead + more, first, largest) >= n
+
+
+@given(first=st.integers(1, 4), batch=st.integers(0, 600), busy=st.none() | st.integers(0, 600))
+def test_a_busy_step_starts_a_stream_with_one_frame_more(first, batch, busy):
+    assert first_chunk(first, batch, busy) == (first + 1 if busy is not None and batch > busy else first)
+
+
+def first_slack(request) -> float:
+    """Seconds between the arrival of a request's second chunk and the end of its first one's audio (a client
+    playing from its first audio may stall that long without running dry)."""
+    n = request.delivered.count(request.delivered[0])
+    return request.delivered[0] + n * FRAME_SECONDS - request.delivered[n]
+
+
+def test_a_busy_engine_gives_each_new_stream_a_frame_of_slack_more_for_about_a_step_of_latency():
+    """Poisson load on the simulator, one stream in a step of more than `busy_batch` requests: a one-frame start
+    leaves under 80 ms to read the next chunk in, a two-frame start over 80 ms; first audio is later by a step or two
+    on average (the second frame, and the decode of a two-frame chunk)."""
+    arrivals = [a for a in poisson_workload(20, 6, seed=4) if a.frames > 3]
+
+    def run(busy: int | None):
+        requests = simulate(arrivals, Scheduler(256), CostModel(), chunks="lead", busy_batch=busy)
+        return sorted(requests, key=lambda r: r.request_id)
+
+    light, busy = run(None), run(0)
+    assert all(first_slack(r) < FRAME_SECONDS for r in light)
+    assert all(first_slack(r) > FRAME_SECONDS for r in busy)
+    later = np.mean([after.delivered[0] - before.delivered[0] for before, after in zip(light, busy)])
+    assert 0 < later < 2 * CostModel().frame_seconds(256, 0) + 0.01
+    assert run(10_000)[0].delivered == light[0].delivered  # never busy: the one-frame start
 
 
 def test_unknown_options_are_refused():
@@ -164,9 +194,35 @@ def test_new_options_change_timing_not_audio(tts, one_thread, step_s):
         np.testing.assert_allclose(new[i][0], expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("chunk_schedule", ["fixed", "lead"])
+def test_a_busy_step_gives_first_chunks_two_frames_and_the_same_audio(tts, one_thread, chunk_schedule):
+    """A request alone starts with one frame; two that join together (a step of 3 > `busy_batch` 2) start with two;
+    every request's audio is the one-frame start's and the offline decode's."""
+    reqs = requests(tts, frames=[30, 24, 12])
+    schedule = {0: reqs[:1], 3: reqs[1:]}
+    config = dict(max_batch=3, capacity=256, chunk_frames=4, overlap_decoding=False, chunk_schedule=chunk_schedule)
+    default = run(Engine(tts, EngineConfig(**config)), schedule, 0.03)
+    busy = run(Engine(tts, EngineConfig(**config, busy_batch=2)), schedule, 0.03)
+    assert [busy[i][1][0] for i in range(3)] == [1, 2, 2]
+    assert [default[i][1][0] for i in range(3)] == [1, 1, 1]
+    assert [busy[i][2] - default[i][2] for i in range(3)] == [0, 1, 1]  # a step later
+    for i, request in enumerate(reqs):
+        expected = tts.synthesize(request.text, request.voice, language=request.language, layout=request.layout,
+                                  sampling=request.sampling, max_frames=request.max_frames).audio
+        np.testing.assert_allclose(busy[i][0], default[i][0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(busy[i][0], expected, atol=1e-5, rtol=0)
+
+
 def test_lead_schedule_captures_every_length_it_makes(tts):
     engine = Engine(tts, EngineConfig(max_batch=1, capacity=64, chunk_frames=6, chunk_schedule="lead"))
     assert engine.decoding.chunk_lengths() == (1, 2, 4, 6)
+    busy = dict(max_batch=1, capacity=64, chunk_frames=6, busy_batch=4)
+    assert Engine(tts, EngineConfig(**busy, chunk_schedule="lead", first_chunk_frames=2)).decoding.chunk_lengths() \
+        == (1, 2, 3, 4, 6)
+    assert Engine(tts, EngineConfig(**busy)).decoding.chunk_lengths() == (1, 2, 4, 6)
+    assert Engine(tts, EngineConfig(**{**busy, "chunk_frames": 3})).decoding.chunk_lengths() == (1, 2, 3)
+    with pytest.raises(ValueError, match="first_chunk_frames below chunk_frames"):
+        Engine(tts, EngineConfig(max_batch=1, capacity=64, chunk_frames=1, busy_batch=4))
     with pytest.raises(ValueError, match="unknown chunk schedule 'big'"):
         Engine(tts, EngineConfig(max_batch=1, capacity=64, chunk_schedule="big"))
     with pytest.raises(ValueError, match="unknown admission 'greedy'"):

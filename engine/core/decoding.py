@@ -1,8 +1,8 @@
 """From frames to audio: the chunk schedule, the decodes queued for the requests whose chunk is due, their delivery
 as events (a request's Finished after its last chunk), and the start of a slot's codec decoder.
 
-The first chunk comes after `first_chunk_frames` frames for the shortest time to first audio, larger ones later to
-amortise the decoder. Two schedules (`CHUNK_SCHEDULES`):
+The first chunk comes after `first_chunk_frames` frames for the shortest time to first audio (one frame more in a
+busy step: `first_chunk`), larger ones later to amortise the decoder. Two schedules (`CHUNK_SCHEDULES`):
 - `fixed` (the default): 1, 1, 2, 4, ... frames up to `chunk_frames`, whatever the client holds (`chunk_due`).
 - `lead`: by the request's lead, the audio delivered beyond what a client playing since its first audio has heard
   (`lead_chunk`): a chunk of n frames waits for n frame steps, at most one frame of audio each (real time), so it
@@ -35,6 +35,15 @@ CHUNK_SCHEDULES = ("fixed", "lead")
 LEAD_MARGIN = 1.0
 
 
+def first_chunk(first_chunk_frames: int, batch: int, busy_batch: int | None) -> int:
+    """The frames a request's first chunk waits for in a step of `batch` requests: `first_chunk_frames`, one more
+    while the step is busy (more than `busy_batch` requests; None: never). A one-frame start leaves a client that plays
+    at once 80 ms of audio to read the next chunk in; a busy engine sends it a longer step later, and a client
+    streaming many responses reads it later still (its loop stalls: tts_bench's underruns at 60-100 req/s came
+    there). A second frame doubles that slack for one step of time to first audio."""
+    return first_chunk_frames + 1 if busy_batch is not None and batch > busy_batch else first_chunk_frames
+
+
 def later_chunk_lengths(chunk_frames: int) -> tuple[int, ...]:
     """The lengths of `lead_chunk`'s chunks after the first: the powers of two below `chunk_frames`, and it."""
     return tuple(sorted({chunk_frames, *(1 << k for k in range(chunk_frames.bit_length()) if 1 << k < chunk_frames)}))
@@ -60,17 +69,20 @@ class Decoding:
     def __init__(self, decoder: CodecDecoder, slots: int, device: torch.device, dtype: torch.dtype,
                  first_chunk_frames: int, chunk_frames: int, overlap: bool, capture: bool,
                  fail: Callable[[Sequence, VoxgateError], None], schedule: str = "fixed",
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, busy_batch: int | None = None) -> None:
         """`capture`: CUDA graphs of the decoder; `fail`: how a request whose decode raises alone ends; `schedule`:
-        one of `CHUNK_SCHEDULES`; `clock`: seconds, as the scheduler's (the `lead` schedule reads it)."""
+        one of `CHUNK_SCHEDULES`; `clock`: seconds, as the scheduler's (the `lead` schedule reads it); `busy_batch`:
+        first chunks are a frame longer in a step of more requests (`first_chunk`)."""
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError("first_chunk_frames and chunk_frames must be at least 1")
+        if busy_batch is not None and (busy_batch < 0 or first_chunk_frames >= chunk_frames):
+            raise ValueError("busy_batch must be at least 0, with first_chunk_frames below chunk_frames")
         if schedule not in CHUNK_SCHEDULES:
             raise ValueError(f"unknown chunk schedule {schedule!r}; choose one of {', '.join(CHUNK_SCHEDULES)}")
         if schedule == "lead" and clock is None:
             raise ValueError("the lead chunk schedule needs a clock")
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
-        self.schedule, self.clock = schedule, clock
+        self.schedule, self.clock, self.busy_batch = schedule, clock, busy_batch
         self.samples_per_frame = decoder.samples_per_frame
         self.overlap = DecodeOverlap(device, overlap)
         self.decoders = DecoderPool(decoder, slots, device, dtype, capture=capture,
@@ -80,20 +92,30 @@ class Decoding:
         self.queued_steps = 0  # `queue` calls so far: the `step` of the latest PendingAudio
         self._fail = fail
 
-    def chunk_due(self, decoded_frames: int) -> int:
-        """Chunks grow with the audio already out (1, 1, 2, 4, ... frames): each one is due before the audio in
-        front of it has played, and the decoder's fixed cost is amortised as the buffer grows."""
-        return min(self.chunk_frames, max(self.first_chunk_frames, decoded_frames))
+    def chunk_due(self, decoded_frames: int, first: int) -> int:
+        """Chunks grow with the audio already out (1, 1, 2, 4, ... frames after a `first`-frame start): each one is
+        due before the audio in front of it has played, and the decoder's fixed cost is amortised as the buffer
+        grows."""
+        return min(self.chunk_frames, max(first, decoded_frames))
+
+    def first_chunks(self) -> tuple[int, ...]:
+        """The lengths a first chunk may have: `first_chunk_frames`, and one more with a `busy_batch`."""
+        batches = (0,) if self.busy_batch is None else (0, self.busy_batch + 1)
+        return tuple(sorted({first_chunk(self.first_chunk_frames, batch, self.busy_batch) for batch in batches}))
 
     def chunk_lengths(self) -> tuple[int, ...]:
         """Every chunk length the schedule produces (a final flush may be shorter)."""
         if self.schedule == "lead":
-            return lead_chunk_lengths(self.first_chunk_frames, self.chunk_frames)
-        lengths, decoded = [], 0
-        while not lengths or lengths[-1] < self.chunk_frames:
-            lengths.append(self.chunk_due(decoded))
-            decoded += lengths[-1]
-        return tuple(sorted(set(lengths)))
+            firsts = self.first_chunks()
+            return tuple(sorted({n for first in firsts for n in lead_chunk_lengths(first, self.chunk_frames)}))
+        lengths: set[int] = set()
+        for first in self.first_chunks():
+            length, decoded = 0, 0
+            while length < self.chunk_frames:
+                length = self.chunk_due(decoded, first)
+                lengths.add(length)
+                decoded += length
+        return tuple(sorted(lengths))
 
     def start(self, seqs: list[Sequence]) -> None:
         """Fresh decoder states for newly admitted requests."""
@@ -130,9 +152,11 @@ class Decoding:
 
     def _due(self, stepped: list[Sequence]) -> list[Sequence]:
         """The stepped requests whose chunk is due (or that ended with frames to flush)."""
+        first = first_chunk(self.first_chunk_frames, len(stepped), self.busy_batch)
         if self.schedule == "fixed":
-            return [s for s in stepped if s.pending and (len(s.pending) >= self.chunk_due(s.decoded_frames) or s.done)]
-        now, first, largest = self.clock(), self.first_chunk_frames, self.chunk_frames
+            return [s for s in stepped
+                    if s.pending and (len(s.pending) >= self.chunk_due(s.decoded_frames, first) or s.done)]
+        now, largest = self.clock(), self.chunk_frames
         return [s for s in stepped if s.pending and (s.done or len(s.pending) >= lead_chunk(
             s.decoded_frames, lead(s, now) if s.decoded_frames else 0.0, first, largest))]
 

@@ -53,6 +53,7 @@ class EngineConfig:
     # prefills a step: a burst of new sessions (a server's start, a reconnect storm) waits a few steps, not tens
     max_prefill_batch: int = 64
     first_chunk_frames: int = 1
+    busy_batch: int | None = None  # a step of more requests is busy: first chunks wait for a frame more (decoding.py)
     chunk_frames: int = 4  # the largest chunk
     frame_path: str = "torch"  # "torch" (the model's own code) | "triton" (fused kernels: the GPU's fast path)
     # The torch frame path's decode attention: None or "sdpa" (masked, any device) | "triton" (reads only each
@@ -90,7 +91,8 @@ class Engine:
         overlap = config.overlap_decoding if config.overlap_decoding is not None else tts.device.type == "cuda"
         self.decoding = Decoding(tts.decoder, shape.slots, tts.device, tts.dtype, config.first_chunk_frames,
                                  config.chunk_frames, overlap, capture=config.step_mode == "graphs", fail=self._fail,
-                                 schedule=config.chunk_schedule, clock=lambda: self.scheduler.clock())
+                                 schedule=config.chunk_schedule, clock=lambda: self.scheduler.clock(),
+                                 busy_batch=config.busy_batch)
         self.scheduler: Scheduler[Sequence] = Scheduler(shape.slots, config.scheduling, config.max_step_batch,
                                                         config.max_prefill_batch, config.max_waiting,
                                                         admission=config.admission)

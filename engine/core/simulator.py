@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from engine.core.decoding import CHUNK_SCHEDULES, lead_chunk
+from engine.core.decoding import CHUNK_SCHEDULES, first_chunk, lead_chunk
 from engine.core.scheduler import FRAME_SECONDS, Scheduler, lead
 
 
@@ -112,10 +112,11 @@ class SimRequest:
 
 
 def simulate(arrivals: list[Arrival], scheduler: Scheduler, cost: CostModel = CostModel(),
-             chunks: str | None = None, first_chunk_frames: int = 1, chunk_frames: int = 4) -> list[SimRequest]:
+             chunks: str | None = None, first_chunk_frames: int = 1, chunk_frames: int = 4,
+             busy_batch: int | None = None) -> list[SimRequest]:
     """Run every arrival to its length through `scheduler` (a new one: its queues empty), which is put on the
     simulation's virtual clock; returns the requests with their frame times. `chunks`: None (each frame out as it is
-    made) or one of `CHUNK_SCHEDULES`, with the engine's `first_chunk_frames` and `chunk_frames`."""
+    made) or one of `CHUNK_SCHEDULES`, with the engine's `first_chunk_frames`, `chunk_frames` and `busy_batch`."""
     if chunks is not None and chunks not in CHUNK_SCHEDULES:
         raise ValueError(f"unknown chunk schedule {chunks!r}; choose None or one of {', '.join(CHUNK_SCHEDULES)}")
     clock = scheduler.clock = VirtualClock()
@@ -140,7 +141,8 @@ def simulate(arrivals: list[Arrival], scheduler: Scheduler, cost: CostModel = Co
         else:
             clock.now += cost.frame_seconds(len(batch), len(admitted))
             _frames(batch, clock.now, scheduler)
-            due = _due(batch, clock.now, chunks, first_chunk_frames, chunk_frames) + [r for r in held if r.pending]
+            first = first_chunk(first_chunk_frames, len(batch), busy_batch)
+            due = _due(batch, clock.now, chunks, first, chunk_frames) + [r for r in held if r.pending]
             clock.now += cost.decode_seconds([r.pending for r in due])
             _deliver(due, clock.now)
         finished += scheduler.take_finished()
