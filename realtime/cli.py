@@ -145,8 +145,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="all (every ready request is prefilled at once) or protect (a prefill waits, at most "
                         "0.1 s, while a running stream's buffer is thin); default: all")
     p.add_argument("--busy-batch", type=int, metavar="N",
-                   help="in an engine step of more than N requests a new stream's first chunk waits for a second "
-                        "frame (slack for its client's reads, for one step of time to first audio); N at least the "
+                   help="in an engine step of more than N requests a new HTTP stream's first chunk waits for a "
+                        "second frame (slack for its client's reads, for one step of time to first audio; WebSocket "
+                        "contexts keep one frame: their players buffer); N at least the "
                         f"engine's slots: never; default: {GPU_BUSY_BATCH} on a GPU, never on the CPU")
     p.add_argument("--encoder-workers", type=int,
                    help="processes that encode the sockets' audio (Opus, resampling) beside the event loop "

@@ -61,10 +61,11 @@ GPU_MAX_SLOTS = 256
 # either (docs/benchmarks.md, "A burst of sessions"). On the CPU, where the tiny model runs slower than real time and
 # every buffer is thin, the fixed schedule stays.
 GPU_SCHEDULING = ("lead", "all")
-# On a GPU a step of more than this many requests is busy: a new stream's first chunk waits for a second frame (160 ms
-# of audio instead of 80 before its next chunk must be read; engine/core/decoding.py, `first_chunk`). Light load
-# keeps the one-frame start (time to first audio); under tts_bench at 60-100 req/s the one-frame starts were where
-# every underrun came (docs/benchmarks.md, "A busy engine's first chunks").
+# On a GPU a step of more than this many requests is busy: a new HTTP stream's first chunk waits for a second frame
+# (160 ms of audio instead of 80 before its next chunk must be read; engine/core/decoding.py, `first_chunk`). Light
+# load keeps the one-frame start (time to first audio), and so do WebSocket contexts (their players buffer); under
+# tts_bench at 60-100 req/s the one-frame starts were where every underrun came (docs/benchmarks.md, "A busy
+# engine's first chunks").
 GPU_BUSY_BATCH = 32
 # Sessions, unless --max-sessions says: one per engine slot, at least MIN_SESSIONS (the CPU's 8 slots keep 64). A
 # session speaks one context at a time in practice (it may open max_contexts, each one utterance at a time), so every

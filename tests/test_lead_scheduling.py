@@ -1,5 +1,7 @@
 """Scheduling for smoothness: the lead-driven chunk schedule and the admission that protects running streams. On the
 simulator they keep buffers from running dry; in the engine they change when audio comes out, never what it is."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -42,9 +44,11 @@ def test_lead_chunk_properties(decoded, lead, more, first, largest):
     assert lead_chunk(decoded, lead + more, first, largest) >= n
 
 
-@given(first=st.integers(1, 4), batch=st.integers(0, 600), busy=st.none() | st.integers(0, 600))
-def test_a_busy_step_starts_a_stream_with_one_frame_more(first, batch, busy):
-    assert first_chunk(first, batch, busy) == (first + 1 if busy is not None and batch > busy else first)
+@given(first=st.integers(1, 4), batch=st.integers(0, 600), busy=st.none() | st.integers(0, 600),
+       interactive=st.booleans())
+def test_a_busy_step_starts_a_one_shot_stream_with_one_frame_more(first, batch, busy, interactive):
+    longer = busy is not None and batch > busy and not interactive
+    assert first_chunk(first, batch, busy, interactive) == first + longer
 
 
 def first_slack(request) -> float:
@@ -55,18 +59,21 @@ def first_slack(request) -> float:
 
 
 def test_a_busy_engine_gives_each_new_stream_a_frame_of_slack_more_for_about_a_step_of_latency():
-    """Poisson load on the simulator, one stream in a step of more than `busy_batch` requests: a one-frame start
-    leaves under 80 ms to read the next chunk in, a two-frame start over 80 ms; first audio is later by a step or two
-    on average (the second frame, and the decode of a two-frame chunk)."""
-    arrivals = [a for a in poisson_workload(20, 6, seed=4) if a.frames > 3]
+    """Poisson load of one-shot requests on the simulator, each in a step of more than `busy_batch` requests: a
+    one-frame start leaves under 80 ms to read the next chunk in, a two-frame start over 80 ms; first audio is later
+    by a step or two on average (the second frame, and the decode of a two-frame chunk). Interactive requests keep
+    the one-frame start."""
+    arrivals = [replace(a, interactive=False) for a in poisson_workload(20, 6, seed=4) if a.frames > 3]
 
-    def run(busy: int | None):
+    def run(busy: int | None, arrivals=arrivals):
         requests = simulate(arrivals, Scheduler(256), CostModel(), chunks="lead", busy_batch=busy)
         return sorted(requests, key=lambda r: r.request_id)
 
     light, busy = run(None), run(0)
     assert all(first_slack(r) < FRAME_SECONDS for r in light)
     assert all(first_slack(r) > FRAME_SECONDS for r in busy)
+    conversations = run(0, [replace(a, interactive=True) for a in arrivals])
+    assert [r.delivered for r in conversations] == [r.delivered for r in light]
     later = np.mean([after.delivered[0] - before.delivered[0] for before, after in zip(light, busy)])
     assert 0 < later < 2 * CostModel().frame_seconds(256, 0) + 0.01
     assert run(10_000)[0].delivered == light[0].delivered  # never busy: the one-frame start
@@ -196,16 +203,17 @@ def test_new_options_change_timing_not_audio(tts, one_thread, step_s):
 
 @pytest.mark.parametrize("chunk_schedule", ["fixed", "lead"])
 def test_a_busy_step_gives_first_chunks_two_frames_and_the_same_audio(tts, one_thread, chunk_schedule):
-    """A request alone starts with one frame; two that join together (a step of 3 > `busy_batch` 2) start with two;
-    every request's audio is the one-frame start's and the offline decode's."""
-    reqs = requests(tts, frames=[30, 24, 12])
+    """One-shot requests: one alone starts with one frame, two that join together (a step of 3 > `busy_batch` 2) start
+    with two, one step later; an interactive request joining with them keeps its one-frame start. Every request's
+    audio is the one-frame start's and the offline decode's."""
+    reqs = [replace(r, interactive=i == 3) for i, r in enumerate(requests(tts, frames=[30, 24, 12, 16]))]
     schedule = {0: reqs[:1], 3: reqs[1:]}
-    config = dict(max_batch=3, capacity=256, chunk_frames=4, overlap_decoding=False, chunk_schedule=chunk_schedule)
+    config = dict(max_batch=4, capacity=256, chunk_frames=4, overlap_decoding=False, chunk_schedule=chunk_schedule)
     default = run(Engine(tts, EngineConfig(**config)), schedule, 0.03)
     busy = run(Engine(tts, EngineConfig(**config, busy_batch=2)), schedule, 0.03)
-    assert [busy[i][1][0] for i in range(3)] == [1, 2, 2]
-    assert [default[i][1][0] for i in range(3)] == [1, 1, 1]
-    assert [busy[i][2] - default[i][2] for i in range(3)] == [0, 1, 1]  # a step later
+    assert [busy[i][1][0] for i in range(4)] == [1, 2, 2, 1]
+    assert [default[i][1][0] for i in range(4)] == [1, 1, 1, 1]
+    assert [busy[i][2] - default[i][2] for i in range(4)] == [0, 1, 1, 0]  # a step later
     for i, request in enumerate(reqs):
         expected = tts.synthesize(request.text, request.voice, language=request.language, layout=request.layout,
                                   sampling=request.sampling, max_frames=request.max_frames).audio

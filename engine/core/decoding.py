@@ -1,8 +1,9 @@
 """From frames to audio: the chunk schedule, the decodes queued for the requests whose chunk is due, their delivery
 as events (a request's Finished after its last chunk), and the start of a slot's codec decoder.
 
-The first chunk comes after `first_chunk_frames` frames for the shortest time to first audio (one frame more in a
-busy step: `first_chunk`), larger ones later to amortise the decoder. Two schedules (`CHUNK_SCHEDULES`):
+The first chunk comes after `first_chunk_frames` frames for the shortest time to first audio (one frame more for a
+one-shot request in a busy step: `first_chunk`), larger ones later to amortise the decoder. Two schedules
+(`CHUNK_SCHEDULES`):
 - `fixed` (the default): 1, 1, 2, 4, ... frames up to `chunk_frames`, whatever the client holds (`chunk_due`).
 - `lead`: by the request's lead, the audio delivered beyond what a client playing since its first audio has heard
   (`lead_chunk`): a chunk of n frames waits for n frame steps, at most one frame of audio each (real time), so it
@@ -35,13 +36,16 @@ CHUNK_SCHEDULES = ("fixed", "lead")
 LEAD_MARGIN = 1.0
 
 
-def first_chunk(first_chunk_frames: int, batch: int, busy_batch: int | None) -> int:
-    """The frames a request's first chunk waits for in a step of `batch` requests: `first_chunk_frames`, one more
-    while the step is busy (more than `busy_batch` requests; None: never). A one-frame start leaves a client that plays
-    at once 80 ms of audio to read the next chunk in; a busy engine sends it a longer step later, and a client
-    streaming many responses reads it later still (its loop stalls: tts_bench's underruns at 60-100 req/s came
-    there). A second frame doubles that slack for one step of time to first audio."""
-    return first_chunk_frames + 1 if busy_batch is not None and batch > busy_batch else first_chunk_frames
+def first_chunk(first_chunk_frames: int, batch: int, busy_batch: int | None, interactive: bool) -> int:
+    """The frames a request's first chunk waits for in a step of `batch` requests: `first_chunk_frames`, one more for
+    a one-shot request while the step is busy (more than `busy_batch` requests; None: never). A one-frame start
+    leaves a client that plays at once 80 ms of audio to read the next chunk in; a busy engine sends it a longer step
+    later, and a client streaming many responses reads it later still (its loop stalls: tts_bench's underruns at
+    60-100 req/s came there). A second frame doubles that slack for one step of time to first audio. An interactive
+    request (a conversation's WebSocket context) keeps the one-frame start: its player buffers (the demo's 80 ms),
+    and a burst of sessions would wait a long step more for every first audio."""
+    busy = busy_batch is not None and batch > busy_batch and not interactive
+    return first_chunk_frames + 1 if busy else first_chunk_frames
 
 
 def later_chunk_lengths(chunk_frames: int) -> tuple[int, ...]:
@@ -72,7 +76,7 @@ class Decoding:
                  clock: Callable[[], float] | None = None, busy_batch: int | None = None) -> None:
         """`capture`: CUDA graphs of the decoder; `fail`: how a request whose decode raises alone ends; `schedule`:
         one of `CHUNK_SCHEDULES`; `clock`: seconds, as the scheduler's (the `lead` schedule reads it); `busy_batch`:
-        first chunks are a frame longer in a step of more requests (`first_chunk`)."""
+        one-shot requests' first chunks are a frame longer in a step of more requests (`first_chunk`)."""
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError("first_chunk_frames and chunk_frames must be at least 1")
         if busy_batch is not None and (busy_batch < 0 or first_chunk_frames >= chunk_frames):
@@ -101,7 +105,8 @@ class Decoding:
     def first_chunks(self) -> tuple[int, ...]:
         """The lengths a first chunk may have: `first_chunk_frames`, and one more with a `busy_batch`."""
         batches = (0,) if self.busy_batch is None else (0, self.busy_batch + 1)
-        return tuple(sorted({first_chunk(self.first_chunk_frames, batch, self.busy_batch) for batch in batches}))
+        return tuple(sorted({first_chunk(self.first_chunk_frames, batch, self.busy_batch, False)
+                             for batch in batches}))
 
     def chunk_lengths(self) -> tuple[int, ...]:
         """Every chunk length the schedule produces (a final flush may be shorter)."""
@@ -152,13 +157,15 @@ class Decoding:
 
     def _due(self, stepped: list[Sequence]) -> list[Sequence]:
         """The stepped requests whose chunk is due (or that ended with frames to flush)."""
-        first = first_chunk(self.first_chunk_frames, len(stepped), self.busy_batch)
+        def first(seq: Sequence) -> int:
+            return first_chunk(self.first_chunk_frames, len(stepped), self.busy_batch, seq.interactive)
+
         if self.schedule == "fixed":
             return [s for s in stepped
-                    if s.pending and (len(s.pending) >= self.chunk_due(s.decoded_frames, first) or s.done)]
+                    if s.pending and (len(s.pending) >= self.chunk_due(s.decoded_frames, first(s)) or s.done)]
         now, largest = self.clock(), self.chunk_frames
         return [s for s in stepped if s.pending and (s.done or len(s.pending) >= lead_chunk(
-            s.decoded_frames, lead(s, now) if s.decoded_frames else 0.0, first, largest))]
+            s.decoded_frames, lead(s, now) if s.decoded_frames else 0.0, first(s), largest))]
 
     def _decode(self, seqs: list[Sequence], first: dict[Sequence, int], length: int) -> None:
         """Queue the decoding of frames first[s]..first[s]+length of each request's pending frames."""

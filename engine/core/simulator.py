@@ -58,6 +58,7 @@ class Arrival:
     at: float
     frames: int
     text_times: tuple[float, ...] = ()  # arrival of each text token (streaming text); empty: all text at `at`
+    interactive: bool = True  # False: a one-shot request (HTTP), as SynthesisRequest's
 
 
 @dataclass
@@ -80,7 +81,10 @@ class SimRequest:
     admitted_at: float | None = None  # when its prefill ran
     done: str | None = None
     delivered: list[float] = field(default_factory=list)  # when each frame's audio was out
-    interactive: bool = True
+
+    @property
+    def interactive(self) -> bool:
+        return self.arrival.interactive
 
     def _tokens(self) -> int:
         return sum(t <= self.clock.now for t in self.arrival.text_times)
@@ -141,8 +145,8 @@ def simulate(arrivals: list[Arrival], scheduler: Scheduler, cost: CostModel = Co
         else:
             clock.now += cost.frame_seconds(len(batch), len(admitted))
             _frames(batch, clock.now, scheduler)
-            first = first_chunk(first_chunk_frames, len(batch), busy_batch)
-            due = _due(batch, clock.now, chunks, first, chunk_frames) + [r for r in held if r.pending]
+            due = _due(batch, clock.now, chunks, first_chunk_frames, chunk_frames, busy_batch)
+            due += [r for r in held if r.pending]
             clock.now += cost.decode_seconds([r.pending for r in due])
             _deliver(due, clock.now)
         finished += scheduler.take_finished()
@@ -159,9 +163,11 @@ def _frames(batch: list[SimRequest], now: float, scheduler: Scheduler) -> None:
             scheduler.finish(request, "length")
 
 
-def _due(batch: list[SimRequest], now: float, chunks: str, first: int, largest: int) -> list[SimRequest]:
+def _due(batch: list[SimRequest], now: float, chunks: str, first_frames: int, largest: int,
+         busy_batch: int | None) -> list[SimRequest]:
     """The stepped requests whose chunk is due under the engine's schedule (an ended one flushes)."""
     def due(r: SimRequest) -> int:
+        first = first_chunk(first_frames, len(batch), busy_batch, r.interactive)
         if chunks == "fixed":
             return min(largest, max(first, r.decoded_frames))  # Decoding.chunk_due
         return lead_chunk(r.decoded_frames, lead(r, now) if r.decoded_frames else 0.0, first, largest)
