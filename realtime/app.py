@@ -146,7 +146,7 @@ def create_app(gateway: Gateway) -> Starlette:
             return
         fields, errors = query_fields(dict(websocket.query_params))
         config, config_errors = configure(SessionConfig(), fields, gateway.voices)
-        await Session(websocket, gateway, config).run(errors + config_errors)
+        await Session(websocket, gateway, config, owner=auth.key(websocket)).run(errors + config_errors)
 
     async def chat(websocket: WebSocket) -> None:
         await websocket.accept()
@@ -159,7 +159,7 @@ def create_app(gateway: Gateway) -> Starlette:
             return
         gateway.chat_sockets += 1
         try:
-            await ChatSocket(websocket, gateway, gateway.options.llm).run()
+            await ChatSocket(websocket, gateway, gateway.options.llm, owner=auth.key(websocket)).run()
         finally:
             gateway.chat_sockets -= 1
 

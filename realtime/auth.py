@@ -42,6 +42,10 @@ class Auth:
         if origin and not self.origin_allowed(connection.headers.get("origin")):
             raise OriginRefused()
 
+    def key(self, connection: HTTPConnection) -> str | None:
+        """The key a connection presented, None on an open gateway: what its session belongs to (`same_key`)."""
+        return (_bearer(connection) or connection.query_params.get("token")) if self.api_keys else None
+
     def key_accepted(self, key: str | None) -> bool:
         """Compared in constant time against every key (no key configured: open)."""
         if not self.api_keys:
@@ -51,6 +55,13 @@ class Auth:
 
     def origin_allowed(self, origin: str | None) -> bool:
         return not self.allowed_origins or origin is None or origin in self.allowed_origins
+
+
+def same_key(a: str | None, b: str | None) -> bool:
+    """Two connections presented the same key (or none, on an open gateway); compared in constant time."""
+    if a is None or b is None:
+        return a is None and b is None
+    return hmac.compare_digest(a.encode(), b.encode())
 
 
 def _bearer(connection: HTTPConnection) -> str | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from realtime.auth import same_key
 from realtime.gateway import Gateway
 from realtime.llm import LLMConfig, LLMError, new_llm_client, stream_chat
 from realtime.ws.protocol import ProtocolError, event, parse_message
@@ -61,8 +62,9 @@ def parse_chat_request(message: dict[str, Any], max_chars: int) -> ChatRequest:
 
 
 class ChatSocket:
-    def __init__(self, websocket: WebSocket, gateway: Gateway, llm: LLMConfig | None) -> None:
-        self.ws, self.gateway, self.llm = websocket, gateway, llm
+    def __init__(self, websocket: WebSocket, gateway: Gateway, llm: LLMConfig | None, owner: str | None) -> None:
+        """`owner`: the API key this socket presented; it speaks only into sessions opened with the same key."""
+        self.ws, self.gateway, self.llm, self.owner = websocket, gateway, llm, owner
         self._turn: asyncio.Task | None = None
         self._turn_id: str | None = None
         self._disconnected = False  # the page went away: its context is cancelled, not finished
@@ -102,9 +104,9 @@ class ChatSocket:
                 raise ProtocolError("no_llm", "no LLM is configured: start voxgate serve with --llm-url and "
                                               "--llm-model (the page then speaks what you type)")
             session = self.gateway.session(request.session_id)
-            if session is None:
+            if session is None or not same_key(session.owner, self.owner):  # another key's session is not found
                 raise ProtocolError("session_not_found", "no open voxgate.v1 session with this session_id "
-                                                         "(from its session.started)")
+                                                         "(from its session.started) and this API key")
             await self._stop_turn()  # a new request barges in on the last one
             self._turn_id = request.id
             self._turn = asyncio.get_running_loop().create_task(self._run_turn(request, session))

@@ -26,7 +26,8 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):
-    with running_server(Limits(api_keys=("k",)), llm=LLMConfig(llm.url, "fake-model", "llm-key", "Be brief.")) as running:
+    keys = Limits(api_keys=("k", "other-tenant"))
+    with running_server(keys, llm=LLMConfig(llm.url, "fake-model", "llm-key", "Be brief.")) as running:
         yield running
 
 
@@ -257,6 +258,30 @@ def test_bad_chat_messages_get_their_error_and_the_socket_goes_on(server, messag
             await chat.send('{"type": "chat.cancel", "id": "none"}')  # nothing to cancel: no answer, no close
             await chat.send("{}")
             assert json.loads(await chat.recv())["code"] == "invalid_message"
+    asyncio.run(go())
+
+
+def test_a_chat_socket_speaks_only_into_sessions_of_its_own_key(server):
+    """Another key's session is not found, though its id is right, and hears nothing; the same key given the other
+    way (a header instead of ?token=) reaches it."""
+    async def go():
+        tts, session_id, own, _ = await open_pair(server)
+        async with connect(server.ws.replace("/v1/tts/stream", "/v1/chat") + "?token=other-tenant") as other:
+            await other.recv()
+            await ask(other, session_id, "x1", "c1", "Say something rude.")
+            error = json.loads(await other.recv())
+            assert (error["type"], error["code"], error["id"], error["fatal"]) == ("error", "session_not_found", "x1",
+                                                                                 False)
+        with pytest.raises(TimeoutError):
+            await receive(tts, timeout=0.5)  # no context was opened
+        header = {"Authorization": "Bearer k"}
+        async with connect(server.ws.replace("/v1/tts/stream", "/v1/chat"), additional_headers=header) as chat:
+            await chat.recv()
+            await ask(chat, session_id, "r1", "c2")
+            assert (await until(chat, lambda e: e["type"] == "chat.done"))[-1]["reason"] == "stop"
+        assert (await until(tts, lambda e: e["type"] == "context.done"))[-1]["context_id"] == "c2"
+        await own.close()
+        await tts.close()
     asyncio.run(go())
 
 

@@ -44,10 +44,13 @@ ABORT_GRACE_S = 2.0
 
 
 class Session:
-    def __init__(self, websocket: WebSocket, gateway: Gateway, config: SessionConfig) -> None:
+    def __init__(self, websocket: WebSocket, gateway: Gateway, config: SessionConfig, owner: str | None = None) -> None:
+        """`owner`: the API key the socket presented (None on an open gateway): only a chat socket with the same
+        key may speak into this session (chat.py)."""
         self.ws, self.gateway = websocket, gateway
         self.limits = gateway.limits
         self.id = uuid.uuid4().hex
+        self.owner = owner
         self.outbox = Outbox()
         self.settings = SessionSettings(config, gateway.voices, gateway.lexicons)
         self.slow = SlowConsumerPolicy(self.outbox, self.limits.send_queue_ms,
