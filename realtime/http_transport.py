@@ -119,8 +119,11 @@ class GuardedH11Protocol(H11Protocol):
     be complete within `handshake_timeout_s` of the connection, or of the first byte of a later request on a kept-
     alive one; a request body must not stop for BODY_STALL_S while the server waits for it (a slow body is fine, a
     stopped one is not); otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up.
-    Past `max_connections` open connections (HTTP and WebSocket) a new one gets a 503 and is closed at once. A
-    connection closed after its answer while the request's body is still coming lingers (LINGER_S, LINGER_BYTES)."""
+    Past `max_connections` open connections (HTTP and WebSocket) the oldest connection with no request in progress
+    (one that has sent no complete request yet, or a kept-alive one between requests) is closed to make room: it
+    loses nothing, and sockets that never send a request cannot lock everyone out for a handshake timeout at a time.
+    When every connection is busy, the new one gets a 503 and is closed at once. A connection closed after its answer
+    while the request's body is still coming lingers (LINGER_S, LINGER_BYTES)."""
 
     def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None, *, handshake_timeout_s: float,
@@ -136,14 +139,29 @@ class GuardedH11Protocol(H11Protocol):
         self._lingered_bytes = 0
         self._stopping = False
         self._linger_deadline: asyncio.TimerHandle | None = None
+        self._idle_since = 0.0  # when it last had no request in progress (`_make_room` closes the oldest first)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
-        if len(self.connections) > self.max_connections:
+        self._idle_since = self.loop.time()
+        if len(self.connections) > self.max_connections and not self._make_room():
             transport.write(_OVER_CAPACITY)
             transport.close()
             return
         self._arm()
+
+    def _make_room(self) -> bool:
+        """Close the connection that has been without a request in progress the longest; False if none is."""
+        idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c is not self and c.idle()]
+        if not idle:
+            return False
+        min(idle, key=lambda c: c._idle_since).transport.raw.close()
+        return True
+
+    def idle(self) -> bool:
+        """No request in progress: none begun (its headers incomplete) or the last one answered, kept alive."""
+        return (self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE and not self._upgraded
+                and not self.lingering and not self.transport.raw.is_closing())
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
@@ -168,6 +186,7 @@ class GuardedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         """A pipelined request, already read, starts here rather than in `data_received`: its body is watched too."""
         super().on_response_complete()
+        self._idle_since = self.loop.time()
         self._watch_body()
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:

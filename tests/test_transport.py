@@ -187,14 +187,30 @@ def test_a_websocket_session_outlives_the_handshake_timeout(server):
     asyncio.run(go())
 
 
-def test_connections_past_the_cap_get_a_503_and_are_closed(server):
-    """The cap is 5: five silent sockets stay open, the sixth is answered at once; closing them frees room."""
-    socks = [raw_socket(server) for _ in range(6)]
+def test_connections_past_the_cap_close_the_oldest_silent_one_or_get_a_503(server):
+    """The cap is 5. Five sockets that never send a request: a sixth closes the oldest of them and is served, so
+    silent sockets cannot lock a client out. Sockets inside a request (a body still to come) are never closed for
+    room: with five of them the sixth is answered 503 at once; closing them frees room."""
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    socks = [raw_socket(server) for _ in range(5)]
     try:
+        time.sleep(0.1)
+        assert server.get("/health")[0] == 200
         readable, _, _ = select.select(socks, [], [], TIMEOUT_S / 2)
-        assert readable == [socks[5]]
+        assert readable == [socks[0]] and socks[0].recv(4096) == b""  # closed, answered nothing
+        socks[0].close()
+        for sock in socks[1:]:  # four requests in progress, and a fifth
+            sock.sendall(head)
+        socks[0] = raw_socket(server)
+        socks[0].sendall(head)
+        time.sleep(0.1)
+        late = raw_socket(server)
+        socks.append(late)
+        readable, _, _ = select.select(socks, [], [], TIMEOUT_S / 2)
+        assert readable == [late]
         refused = b""
-        while chunk := socks[5].recv(4096):
+        while chunk := late.recv(4096):
             refused += chunk
         head, _, body = refused.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503") and b"application/json" in head
