@@ -60,13 +60,19 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
     And the messages written in one turn of the event loop leave in one socket write (`write_frame_sync`).
 
     And a handshake's headers reach the app as the bytes that were sent (`process_request`); a refused one gets the
-    API's JSON error (`handshake`)."""
+    API's JSON error (`handshake`).
+
+    And a connection logs on SOCKET_LOG, whose INFO lines (three a session: open, accepted, closed) are off unless the
+    log level is debug: a client opening and closing sessions in a loop wrote three lines a socket, and a storm of
+    512 sessions spent 13% of the event loop's samples writing them (docs/benchmarks.md, "The session storm's log
+    lines"). Warnings and errors stay."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._drain_waiters: deque[asyncio.Future[None]] = deque()
         self._held: list[bytes] = []
         self._held_bytes = 0
         super().__init__(*args, **kwargs)
+        self.logger = SOCKET_LOG
         self._session_app, self.app = self.app, self._app_then_close
 
     def write_frame_sync(self, fin: bool, opcode: int, data: Any) -> None:
@@ -195,7 +201,8 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
 
 PING_INTERVAL_S = 20.0
 PING_TIMEOUT_S = 20.0
-LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "voxgate")
+SOCKET_LOG = logging.getLogger("voxgate.sockets")
+LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "voxgate", SOCKET_LOG.name)
 
 
 # a parameter's name stops at the next separator (`?` too), so the names tried from each separator never overlap and
@@ -282,6 +289,7 @@ def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8
                             ws_per_message_deflate=False, ws_ping_interval=PING_INTERVAL_S, ws_ping_timeout=PING_TIMEOUT_S,
                             timeout_graceful_shutdown=10)
     redact_logs()  # after uvicorn.Config, which configures uvicorn's loggers
+    SOCKET_LOG.setLevel(logging.DEBUG if log_level in ("debug", "trace") else logging.WARNING)
     server = _Server(config, gateway)
     gateway.on_fatal = server.fail
     return server

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import select
 import signal
@@ -21,7 +22,7 @@ from websockets.asyncio.client import connect
 
 from realtime.gateway import GatewayOptions, Limits
 from realtime import http_transport
-from realtime.server import build_server, redact
+from realtime.server import SOCKET_LOG, build_server, redact
 from tests.gateway_server import running_server, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,6 +241,20 @@ def test_redact_removes_every_secret_query_value(line):
     assert redact("/x?voice=vivian&encoding=opus") == "/x?voice=vivian&encoding=opus"
 
 
+def test_a_sockets_log_lines_are_redacted_too(caplog):
+    """At debug level a session logs its opening; its warnings always: the key in its path never shows."""
+    build_server(GatewayOptions(), port=0, log_level="debug")
+    with caplog.at_level(logging.DEBUG):
+        SOCKET_LOG.info('127.0.0.1:5 - "WebSocket %s" [accepted]', "/v1/tts/stream?token=SECRET")
+    assert "token=[redacted]" in caplog.text and "SECRET" not in caplog.text
+    build_server(GatewayOptions(), port=0, log_level="info")
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        SOCKET_LOG.info("connection open")
+        SOCKET_LOG.warning("a warning of %s", "/v1/tts/stream?token=SECRET")
+    assert caplog.messages == ["a warning of /v1/tts/stream?token=[redacted]"]
+
+
 @pytest.mark.parametrize("unit", ["?", "?a", "&", ";a", "?=", "?a?token"])
 def test_redact_takes_linear_time(unit):
     """Every logged request line is redacted on the event loop: a query of 40,000 separators takes a blink (a name
@@ -328,8 +343,10 @@ def test_keys_come_from_the_environment_and_a_key_file(served_log):
 
 def test_no_log_line_holds_a_key_or_the_users_text(served_log):
     log = served_log["log"]
-    assert "GET /v1/voices?token=[redacted]" in log and "/v1/tts/stream?token=[redacted]" in log  # it logged them
+    assert "GET /v1/voices?token=[redacted]" in log  # it logged them
     assert "context.done" in served_log["events"]
+    for line in ("connection open", "[accepted]", "connection closed"):  # a session's own INFO lines are off
+        assert line not in log
     for secret in (KEY, "env-key-a81c44", "file-key-51d0e2", "wrong-key-0c9b7d", TEXT, "Zebulon"):
         assert secret not in log
     assert "Traceback" not in log and "DeprecationWarning" not in log
