@@ -91,6 +91,23 @@ def test_cleanup_rules():
         "Plain text, 3.14 and C++ stay; so does #hashtag - here."
 
 
+INVISIBLE = "\u00ad\u200b\u200c\u200e\u200f\u202a\u202e\u2060\u2064\u2066\u2069\ufeff"
+
+
+@given(text=st.text(st.sampled_from(list(INVISIBLE + "ab *#\n.\u200d") + ["\U0001F600"]), max_size=30),
+       cut=st.integers(0, 30))
+def test_invisible_characters_go_and_pieces_clean_as_the_whole(text, cut):
+    """Zero-width and direction characters, a soft hyphen, the BOM: none is left, and text cut anywhere is cleaned
+    as the whole is."""
+    from engine.text.cleanup import StreamingCleanup, clean_text
+
+    cleaned = clean_text(text)
+    assert not set(cleaned) & set(INVISIBLE)
+    cleanup = StreamingCleanup()
+    assert cleanup.append(text[:cut]) + cleanup.append(text[cut:]) + cleanup.finish() == cleaned
+    assert clean_text("Zero\u200bwidth and soft\u00adhyphen \ufeff\u200f words.") == "Zerowidth and softhyphen words."
+
+
 # the rule for emphasis and code marks as first written: a regex whose cost is cubic in a word's length
 EDGE_MARKS_RULE = re.compile(r"^[*_~`]+|[*_~`]+(?=[^\w]*$)")
 

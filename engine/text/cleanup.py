@@ -9,6 +9,8 @@ whole text would be; `StreamingCleanup` releases text only up to its last whites
 - links `[text](url)` keep their text; a bare URL (`http://`, `https://`, `www.`) is read as its host name
   (`https://www.example.com/a?b=1` becomes `example.com`);
 - emoji (pictographs, dingbats, flags, skin tones, variation selectors and joiners) are dropped;
+- invisible format characters (zero-width spaces and non-joiners, word joiners, soft hyphens, direction marks and
+  embeddings, the byte-order mark) are dropped: they say nothing, and as tokens they are frames of noise;
 - a word that cleaning empties takes its following spaces with it (not a line break).
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ _NO_MARKS = str.maketrans("", "", _MARKS)
 _LINK_TARGET = re.compile(r"\]\([^()\[\]\s]*\)")
 _URL = re.compile(r"^(?:https?://|www\.)(?:www\.)?([^/\s?#:]+)\S*$")
 _EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF\u2B00-\u2BFF\uFE0E\uFE0F\u200D\u20E3\U000E0020-\U000E007F]")
+_INVISIBLE = re.compile("[\u00AD\u200B\u200C\u200E\u200F\u202A-\u202E\u2060-\u2064\u2066-\u2069\uFEFF]")
 _WORDS = re.compile(r"(\s+)")
 _LETTER_OR_DIGIT = re.compile(r"[^\W_]")
 
@@ -36,7 +39,7 @@ def speakable(text: str) -> bool:
 def clean_word(word: str, line_start: bool) -> str:
     if line_start and _LINE_MARKER.fullmatch(word):
         return ""
-    word = _EMOJI.sub("", word)
+    word = _INVISIBLE.sub("", _EMOJI.sub("", word))
     word = _LINK_TARGET.sub("", word).replace("[", "").replace("]", "")
     url = _URL.match(word)
     if url:
