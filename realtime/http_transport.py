@@ -119,9 +119,10 @@ class GuardedH11Protocol(H11Protocol):
     be complete within `handshake_timeout_s` of the connection, or of the first byte of a later request on a kept-
     alive one; a request body must not stop for BODY_STALL_S while the server waits for it (a slow body is fine, a
     stopped one is not); otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up.
-    Past `max_connections` open connections (HTTP and WebSocket) the oldest connection with no request in progress
-    (one that has sent no complete request yet, or a kept-alive one between requests) is closed to make room: it
-    loses nothing, and sockets that never send a request cannot lock everyone out for a handshake timeout at a time.
+    Past `max_connections` open connections (HTTP and WebSocket) the oldest connection the server owes nothing is
+    closed to make room (one that has sent no complete request yet, a kept-alive one between requests, or one
+    answered already whose body is only being drained): it loses nothing, and sockets that never send a request, or
+    send refused ones, cannot lock everyone out for a handshake timeout (or a linger) at a time.
     When every connection is busy, the new one gets a 503 and is closed at once. A connection closed after its answer
     while the request's body is still coming lingers (LINGER_S, LINGER_BYTES)."""
 
@@ -139,7 +140,7 @@ class GuardedH11Protocol(H11Protocol):
         self._lingered_bytes = 0
         self._stopping = False
         self._linger_deadline: asyncio.TimerHandle | None = None
-        self._idle_since = 0.0  # when it last had no request in progress (`_make_room` closes the oldest first)
+        self._idle_since = 0.0  # since when it is owed nothing (`_make_room` closes the oldest first)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -152,16 +153,19 @@ class GuardedH11Protocol(H11Protocol):
 
     def _make_room(self) -> bool:
         """Close the connection that has been without a request in progress the longest; False if none is."""
-        idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c is not self and c.idle()]
-        if not idle:
+        owed_nothing = [c for c in self.connections
+                        if isinstance(c, GuardedH11Protocol) and c is not self and c.owed_nothing()]
+        if not owed_nothing:
             return False
-        min(idle, key=lambda c: c._idle_since).transport.raw.close()
+        min(owed_nothing, key=lambda c: c._idle_since).transport.raw.close()
         return True
 
-    def idle(self) -> bool:
-        """No request in progress: none begun (its headers incomplete) or the last one answered, kept alive."""
-        return (self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE and not self._upgraded
-                and not self.lingering and not self.transport.raw.is_closing())
+    def owed_nothing(self) -> bool:
+        """Closing it loses nothing: no request begun (its headers incomplete), the last one answered and kept alive,
+        or answered and lingering only to drain its body."""
+        if self._upgraded or self.transport.raw.is_closing():
+            return False
+        return self.lingering or (self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
@@ -222,6 +226,7 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.raw.close()
             return
         self.lingering = True
+        self._idle_since = self.loop.time()
         self._disarm()
         self._stop_watching_body()
         self._linger_deadline = self.loop.call_later(LINGER_S, self.transport.raw.close)

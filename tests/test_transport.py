@@ -223,6 +223,26 @@ def test_connections_past_the_cap_close_the_oldest_silent_one_or_get_a_503(serve
     assert server.get("/health")[0] == 200
 
 
+def test_refused_requests_whose_bodies_linger_do_not_hold_the_cap(server):
+    """Requests with no key and a body announced but never sent are answered 401 at once, then drained (LINGER_S):
+    five of them filled the cap of 5 and every client got 503 for as long as they were renewed. Answered, they are
+    owed nothing: a new client closes the oldest of them and is served."""
+    refused = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
+    socks = [raw_socket(server) for _ in range(5)]
+    try:
+        for sock in socks:
+            sock.sendall(refused)
+            answer = b""
+            while b'"unauthorized"' not in answer:
+                answer += sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 401")
+        assert server.get("/health")[0] == 200
+        assert server.get("/v1/voices", KEY)[0] == 200
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_build_server_exits_non_zero_when_the_gateway_fails_for_good():
     server = build_server(GatewayOptions(), port=0, log_level="warning")
     thread, _ = serve_in_thread(server)
