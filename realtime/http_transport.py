@@ -137,6 +137,7 @@ class GuardedH11Protocol(H11Protocol):
         self._body_deadline: asyncio.TimerHandle | None = None
         self._upgraded = False  # the socket belongs to the WebSocket protocol now
         self.lingering = False  # answered and closing: the rest of the request's body is read and dropped
+        self._linger_parsed = True  # lingering, the body ends where h11 says (else: until the client closes)
         self._lingered_bytes = 0
         self._stopping = False
         self._linger_deadline: asyncio.TimerHandle | None = None
@@ -182,10 +183,16 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (or `_GuardedConnection` refuses) gets the API's JSON error (uvicorn sends plain
-        text), unless its answer has begun already; then the close."""
+        text), unless its answer has begun already; then the close, after what the client still sends is drained
+        (LINGER_S, LINGER_BYTES)."""
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             self.transport.write(self.conn.refusal or _MALFORMED)
-        self.transport.raw.close()
+        answering = self.cycle is not None and not self.cycle.response_complete  # an earlier request's, pipelined
+        if self._stopping or self.transport.raw.is_closing() or answering:
+            self.transport.raw.close()
+            return
+        self.transport.raw.write_eof()  # the answer ends here: the client reads it to the end and closes
+        self._linger(parsed=False)  # closed with the rest of a long header unread, the socket sent a reset instead
 
     def on_response_complete(self) -> None:
         """A pipelined request, already read, starts here rather than in `data_received`: its body is watched too."""
@@ -225,7 +232,13 @@ class GuardedH11Protocol(H11Protocol):
         if gone or not (answered and self.conn.their_state is h11.SEND_BODY and not self._upgraded):
             self.transport.raw.close()
             return
-        self.lingering = True
+        self._linger(parsed=True)
+
+    def _linger(self, parsed: bool) -> None:
+        """Answered: read and drop what still comes, then close, so that the client reads the answer (a socket closed
+        with unread bytes sends a reset, which discards it). `parsed`: the request's body ends where h11 says;
+        otherwise (a request it could not parse) until the client closes, LINGER_S or LINGER_BYTES."""
+        self.lingering, self._linger_parsed = True, parsed
         self._idle_since = self.loop.time()
         self._disarm()
         self._stop_watching_body()
@@ -234,7 +247,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _drop_body(self, data: bytes) -> None:
         self._lingered_bytes += len(data)
-        if self._lingered_bytes > LINGER_BYTES or self._body_ended(data):
+        if self._lingered_bytes > LINGER_BYTES or (self._linger_parsed and self._body_ended(data)):
             self.transport.raw.close()
 
     def _body_ended(self, data: bytes) -> bool:

@@ -223,6 +223,25 @@ def test_connections_past_the_cap_close_the_oldest_silent_one_or_get_a_503(serve
     assert server.get("/health")[0] == 200
 
 
+@pytest.mark.parametrize("size", [200_000, 3_000_000])
+def test_a_header_too_long_to_parse_gets_its_400_not_a_reset(server, size):
+    """The server stops parsing past its header bound and answers; the rest of the header, still coming after the
+    answer, is read and dropped until the client closes, so the client reads the answer (closed at once, the socket
+    answered those bytes with a reset, and the client saw no answer at all)."""
+    with raw_socket(server) as sock:
+        sock.settimeout(30)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * size)
+        time.sleep(0.3)  # answered by now
+        sock.sendall(b"a" * size + b"\r\n\r\n")
+        time.sleep(0.3)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+            if b'"invalid_message"' in answer:
+                break
+        assert answer.startswith(b"HTTP/1.1 400 ") and b'"invalid_message"' in answer
+
+
 def test_refused_requests_whose_bodies_linger_do_not_hold_the_cap(server):
     """Requests with no key and a body announced but never sent are answered 401 at once, then drained (LINGER_S):
     five of them filled the cap of 5 and every client got 503 for as long as they were renewed. Answered, they are
