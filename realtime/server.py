@@ -211,13 +211,19 @@ _QUERY_PARAM = re.compile(r"([?&;])([^=&;?#\s\"']*)=([^&;#\s\"']*)")
 
 
 def redact(text: str) -> str:
-    """`text` with the value of every query parameter named like a secret (`token`, `key`, `api_key`, `access_token`,
-    percent-encoded or not) replaced: uvicorn logs each request's path with its query string."""
+    """`text` with the value of every query parameter named like a secret (SECRET_NAMES: `token`, `api_key`,
+    `password`, `auth`, ..., percent-encoded or not) replaced: uvicorn logs each request's path with its query
+    string, and a client may put its key where the API does not read it."""
     return _QUERY_PARAM.sub(_redact_parameter, text)
 
 
+# a query parameter whose name ends with one of these holds a secret (`token`, `api_key`, `client_secret`, `passwd`)
+SECRET_NAMES = ("token", "key", "secret", "password", "passwd", "auth", "authorization", "bearer", "signature",
+                "credential", "credentials")
+
+
 def _redact_parameter(match: re.Match[str]) -> str:
-    if unquote_plus(match[2]).lower().endswith(("token", "key")):
+    if unquote_plus(match[2]).lower().endswith(SECRET_NAMES):
         return f"{match[1]}{match[2]}=[redacted]"
     return match[0]
 

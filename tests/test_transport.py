@@ -274,6 +274,7 @@ def test_build_server_exits_non_zero_when_the_gateway_fails_for_good():
     '127.0.0.1:5 - "GET /v1/voices?token=SECRET HTTP/1.1" 200',
     '"WebSocket /v1/tts/stream?voice=a&token=SECRET&encoding=pcm_s16le" [accepted]',
     "/x?api_key=SECRET", "/x?key=SECRET#f", "/x?%74oken=SECRET", "/x?a=1;access_token=SECRET",
+    "/x?password=SECRET", "/x?Authorization=SECRET", "/x?auth=SECRET", "/x?bearer=SECRET", "/x;client_secret=SECRET",
 ])
 def test_redact_removes_every_secret_query_value(line):
     assert "SECRET" not in redact(line) and "[redacted]" in redact(line)
