@@ -107,6 +107,9 @@ class ChatSocket:
             if session is None or not same_key(session.owner, self.owner):  # another key's session is not found
                 raise ProtocolError("session_not_found", "no open voxgate.v1 session with this session_id "
                                                          "(from its session.started) and this API key")
+            if not session.takes_text_for(request.context_id):
+                raise ProtocolError("context_closed", f"context {request.context_id!r} of that session has ended; "
+                                                      "name a new context_id for this reply")
             await self._stop_turn()  # a new request barges in on the last one
             self._turn_id = request.id
             self._turn = asyncio.get_running_loop().create_task(self._run_turn(request, session))

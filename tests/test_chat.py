@@ -285,6 +285,24 @@ def test_a_chat_socket_speaks_only_into_sessions_of_its_own_key(server):
     asyncio.run(go())
 
 
+def test_a_reply_into_a_context_that_has_ended_is_refused_by_name(server):
+    """A chat.request naming a context already spoken to its end: context_closed on the chat socket, naming the
+    request, with no turn (it was a silent chat.done{reason: cancelled}); a new context_id is spoken."""
+    async def go():
+        tts, session_id, chat, _ = await open_pair(server)
+        await ask(chat, session_id, "r1", "done-ctx")
+        await until(chat, lambda e: e["type"] == "chat.done")
+        await until(tts, lambda e: e["type"] == "context.done")
+        await ask(chat, session_id, "r2", "done-ctx")
+        error = await receive(chat)
+        assert (error["type"], error["code"], error["id"], error["fatal"]) == ("error", "context_closed", "r2", False)
+        await ask(chat, session_id, "r3", "next-ctx")
+        assert (await until(chat, lambda e: e["type"] == "chat.done"))[-1]["id"] == "r3"
+        await chat.close()
+        await tts.close()
+    asyncio.run(go())
+
+
 def test_a_wrong_key_is_refused(server):
     async def go():
         async with connect(server.ws.replace("/v1/tts/stream", "/v1/chat") + "?token=bad") as chat:
