@@ -106,6 +106,7 @@ def create_app(gateway: Gateway) -> Starlette:
         async def handle() -> Response:
             if request.method != "POST":  # GET, and the HEAD that starlette adds to every GET route
                 return JSONResponse({"voices": gateway.library.voices()})
+            _check_plain_body(request)
             gateway.library.check_model()  # before the body (up to 16 MiB) is read
             upload = await read_upload(request, gateway.limits.max_voice_upload_bytes)
             created = await gateway.library.create(upload)
@@ -255,8 +256,18 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
+def _check_plain_body(request: Request) -> None:
+    """415 for a body sent compressed (`Content-Encoding` other than identity): it would be read as it is, and a
+    gzip body is not the JSON or form it claims to be."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise HTTPFailure(415, "invalid_message", f"Content-Encoding {encoding[:40]!r} is not supported: send the "
+                                                  "body uncompressed")
+
+
 async def _body(request: Request, max_bytes: int) -> bytes:
-    """The request body, read no further than `max_bytes` (413 past it)."""
+    """The request body, read no further than `max_bytes` (413 past it); 415 for a compressed one."""
+    _check_plain_body(request)
     too_large = HTTPFailure(413, "text_too_long", f"the body takes at most {max_bytes} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > max_bytes:

@@ -242,6 +242,19 @@ def test_a_header_too_long_to_parse_gets_its_400_not_a_reset(server, size):
         assert answer.startswith(b"HTTP/1.1 400 ") and b'"invalid_message"' in answer
 
 
+@pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/lexicons", "/v1/audio/voices"])
+@pytest.mark.parametrize("encoding", ["gzip", "br", "Deflate"])
+def test_a_compressed_body_is_refused_by_name(server, path, encoding):
+    """A body sent with a Content-Encoding was read as it is (a gzip body parsed as JSON); now 415, the API's JSON
+    error naming the encoding."""
+    request = urllib.request.Request(server.http + path, data=b'{"input": "Hi."}', method="POST", headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json", "Content-Encoding": encoding})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 415 and error["code"] == "invalid_message" and encoding.lower() in error["message"]
+
+
 def test_refused_requests_whose_bodies_linger_do_not_hold_the_cap(server):
     """Requests with no key and a body announced but never sent are answered 401 at once, then drained (LINGER_S):
     five of them filled the cap of 5 and every client got 503 for as long as they were renewed. Answered, they are
