@@ -37,14 +37,14 @@ class Auth:
     def check(self, connection: HTTPConnection, origin: bool = True) -> None:
         """Raise KeyRefused without a valid key (`Authorization: Bearer KEY` or `?token=KEY`), and OriginRefused for
         a browser origin that is not allowed (when `origin`)."""
-        if not self.key_accepted(_bearer(connection) or connection.query_params.get("token")):
+        if not self.key_accepted(_presented_key(connection)):
             raise KeyRefused()
         if origin and not self.origin_allowed(connection.headers.get("origin")):
             raise OriginRefused()
 
     def key(self, connection: HTTPConnection) -> str | None:
         """The key a connection presented, None on an open gateway: what its session belongs to (`same_key`)."""
-        return (_bearer(connection) or connection.query_params.get("token")) if self.api_keys else None
+        return _presented_key(connection) if self.api_keys else None
 
     def key_accepted(self, key: str | None) -> bool:
         """Compared in constant time against every key (no key configured: open)."""
@@ -62,6 +62,11 @@ def same_key(a: str | None, b: str | None) -> bool:
     if a is None or b is None:
         return a is None and b is None
     return hmac.compare_digest(a.encode(), b.encode())
+
+
+def _presented_key(connection: HTTPConnection) -> str | None:
+    """`Authorization: Bearer KEY`, else `?token=KEY`."""
+    return _bearer(connection) or connection.query_params.get("token")
 
 
 def _bearer(connection: HTTPConnection) -> str | None:

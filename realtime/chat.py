@@ -107,12 +107,10 @@ class ChatSocket:
             if session is None or not same_key(session.owner, self.owner):  # another key's session is not found
                 raise ProtocolError("session_not_found", "no open voxgate.v1 session with this session_id "
                                                          "(from its session.started) and this API key")
-            if not session.takes_text_for(request.context_id):
-                raise ProtocolError("context_closed", f"context {request.context_id!r} of that session has ended; "
-                                                      "name a new context_id for this reply")
+            finished = not session.takes_text_for(request.context_id)  # spoken to its end (or cancelled) before
             await self._stop_turn()  # a new request barges in on the last one
             self._turn_id = request.id
-            self._turn = asyncio.get_running_loop().create_task(self._run_turn(request, session))
+            self._turn = asyncio.get_running_loop().create_task(self._run_turn(request, session, finished))
         except ProtocolError as failure:
             await self._error(failure, request_id)
 
@@ -126,16 +124,18 @@ class ChatSocket:
             if turn.cancelled() and not disconnected:  # cancelled before its body ran, which says chat.done itself
                 await self._send(event("chat.done", id=turn_id, text="", reason="cancelled"))
 
-    async def _run_turn(self, request: ChatRequest, session: Session) -> None:
+    async def _run_turn(self, request: ChatRequest, session: Session, finished: bool) -> None:
+        """`finished`: the context had finished before the request; its first piece is refused (context_closed on
+        the audio socket) and the turn ends `error`, not `cancelled`."""
         reply, reason = "", "stop"
         context_id = request.context_id
         try:
-            barge_in = asyncio.get_running_loop().create_task(_cancel_on_barge_in(session, context_id,
+            barge_in = asyncio.get_running_loop().create_task(_cancel_on_barge_in(session, context_id, finished,
                                                                                   asyncio.current_task()))
             try:
                 async with contextlib.aclosing(stream_chat(self._llm_client, self.llm, request.messages)) as pieces:
                     async for piece in pieces:
-                        if not session.takes_text_for(context_id):
+                        if not (finished or session.takes_text_for(context_id)):
                             reason = "cancelled"  # cancelled on the audio socket (barge-in), or that socket closed
                             break
                         if not session.append_text(context_id, piece, None if reply else request.voice_fields):
@@ -177,9 +177,9 @@ class ChatSocket:
             pass  # the reader sees the disconnect and stops the turn
 
 
-async def _cancel_on_barge_in(session: Session, context_id: str, turn: asyncio.Task) -> None:
+async def _cancel_on_barge_in(session: Session, context_id: str, finished: bool, turn: asyncio.Task) -> None:
     """A turn whose context the audio socket no longer takes (barge-in, or that socket closed) stops even while the
     LLM sends nothing: checking between deltas alone left a stalled LLM request open."""
-    while session.takes_text_for(context_id):
+    while (not session.closed) if finished else session.takes_text_for(context_id):  # finished: a close is news
         await asyncio.sleep(BARGE_IN_POLL_S)
     turn.cancel()

@@ -92,6 +92,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="checkpoint directory or hub id (default: the embedded tiny model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                   help="debug adds each WebSocket connection's open, accepted and closed lines")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--api-key", action="append", default=[],
                    help="accepted API key (repeatable; with $VOXGATE_API_KEYS and --api-key-file; none: open)")
@@ -205,7 +207,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              data_dir=args.data_dir, chunk_schedule=args.chunk_schedule, admission=args.admission,
                              busy_batch=args.busy_batch, encoder_workers=args.encoder_workers)
     try:
-        return serve(options, args.host, args.port)
+        return serve(options, args.host, args.port, args.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop
         return 0
 

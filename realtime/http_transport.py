@@ -121,8 +121,9 @@ class GuardedH11Protocol(H11Protocol):
     stopped one is not); otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up.
     Past `max_connections` open connections (HTTP and WebSocket) the oldest connection the server owes nothing is
     closed to make room (one that has sent no complete request yet, a kept-alive one between requests, or one
-    answered already whose body is only being drained): it loses nothing, and sockets that never send a request, or
-    send refused ones, cannot lock everyone out for a handshake timeout (or a linger) at a time.
+    answered already whose body is only being drained): no answer is lost, and sockets that never send a request,
+    or send refused ones, cannot lock everyone out for a handshake timeout (or a linger) at a time. (Finding it
+    walks the open connections: a cost paid only at the cap.)
     When every connection is busy, the new one gets a 503 and is closed at once. A connection closed after its answer
     while the request's body is still coming lingers (LINGER_S, LINGER_BYTES)."""
 
@@ -187,7 +188,9 @@ class GuardedH11Protocol(H11Protocol):
         (LINGER_S, LINGER_BYTES)."""
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             self.transport.write(self.conn.refusal or _MALFORMED)
-        answering = self.cycle is not None and not self.cycle.response_complete  # an earlier request's, pipelined
+        # the app is still answering this request (refused inside its body: a chunked body of tiny chunks): closed at
+        # once as before, since the app may still write
+        answering = self.cycle is not None and not self.cycle.response_complete
         if self._stopping or self.transport.raw.is_closing() or answering:
             self.transport.raw.close()
             return

@@ -301,14 +301,15 @@ def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8
     return server
 
 
-def serve(options: GatewayOptions, host: str, port: int) -> int:
-    """Runs until stopped; the exit status is non-zero when the gateway failed for good."""
+def serve(options: GatewayOptions, host: str, port: int, log_level: str = "info") -> int:
+    """Runs until stopped; the exit status is non-zero when the gateway failed for good. `log_level`: debug,
+    info, warning or error (debug adds each WebSocket connection's open, accepted and closed lines)."""
     check_bindable(host, port)
     check_options(options)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if WEB_DIR is not None:
         llm = f"answers from {options.llm.model}" if options.llm else "no --llm-url: it speaks what you type"
         logging.getLogger("voxgate").info("voice-chat demo: http://%s:%d/ (%s)", host, port, llm)
-    server = build_server(options, host, port)
+    server = build_server(options, host, port, log_level)
     server.run()
     return server.exit_code

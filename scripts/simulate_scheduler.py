@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,6 +54,11 @@ def smoothness(arrivals: list[Arrival], args: argparse.Namespace) -> list[tuple[
     return out
 
 
+def one_shot(arrivals: list[Arrival], marked: bool) -> list[Arrival]:
+    """The arrivals as one-shot (HTTP) requests when `marked`: the busy start applies to them alone."""
+    return [replace(a, interactive=False) for a in arrivals] if marked else arrivals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[40.0, 60.0, 80.0])
@@ -60,7 +66,10 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=512)
     parser.add_argument("--max-step-batch", type=int, default=256)
     parser.add_argument("--chunk-frames", type=int, default=4)
-    parser.add_argument("--busy-batch", type=int, metavar="N", help="first chunks of two frames in steps of more")
+    parser.add_argument("--busy-batch", type=int, metavar="N",
+                        help="one-shot requests' first chunks of two frames in steps of more (with --one-shot)")
+    parser.add_argument("--one-shot", action="store_true",
+                        help="the arrivals are one-shot (HTTP) requests, not a conversation's contexts")
     parser.add_argument("--compare", choices=["policies", "smoothness"], default="policies")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--burst", type=int, metavar="N", help="N sessions opened at once instead of Poisson arrivals")
@@ -68,12 +77,13 @@ def main() -> None:
     compare = policies if args.compare == "policies" else smoothness
     print(HEADER)
     if args.burst:
-        for label, result in compare(burst_workload(args.burst, args.seed), args):
+        for label, result in compare(one_shot(burst_workload(args.burst, args.seed), args.one_shot), args):
             print(row(True, 0, f"burst of {args.burst}, {label}", result), flush=True)
         return
     for streaming in (False, True):
         for rate in args.rates:
-            arrivals = poisson_workload(rate, args.duration, args.seed, streaming_text=streaming)
+            arrivals = one_shot(poisson_workload(rate, args.duration, args.seed, streaming_text=streaming),
+                                args.one_shot)
             for label, result in compare(arrivals, args):
                 print(row(streaming, rate, label, result), flush=True)
 

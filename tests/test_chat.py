@@ -235,6 +235,24 @@ def test_chat_cancel_stops_the_llm_and_speaks_what_it_wrote(server, long_reply):
     asyncio.run(go())
 
 
+def test_a_request_into_the_running_turns_context_ends_that_turn_and_is_refused(server, long_reply):
+    """The running turn's context_id again: the new request barges in (the turn stops, its context is spoken to its
+    end), and its own text is refused (context_closed on the audio socket, the turn ends `error`)."""
+    async def go():
+        tts, session_id, chat, _ = await open_pair(server)
+        await ask(chat, session_id, "r1", "live")
+        await until(chat, lambda e: e["type"] == "chat.delta")
+        await ask(chat, session_id, "r2", "live")
+        events = await until(chat, lambda e: e["type"] == "chat.done" and e["id"] == "r2")
+        assert [(e["id"], e["reason"]) for e in events if e["type"] == "chat.done"] == [("r1", "cancelled"),
+                                                                                       ("r2", "error")]
+        spoken = await until(tts, lambda e: e["type"] == "context.done", timeout=120)
+        assert [(e["code"], e["context_id"]) for e in spoken if e["type"] == "error"] == [("context_closed", "live")]
+        await tts.close()
+        await chat.close()
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("message,code,request_id", [
     ("not json", "invalid_json", None),
     ('{"type": "chat.hello"}', "unknown_type", None),
@@ -285,19 +303,21 @@ def test_a_chat_socket_speaks_only_into_sessions_of_its_own_key(server):
     asyncio.run(go())
 
 
-def test_a_reply_into_a_context_that_has_ended_is_refused_by_name(server):
-    """A chat.request naming a context already spoken to its end: context_closed on the chat socket, naming the
-    request, with no turn (it was a silent chat.done{reason: cancelled}); a new context_id is spoken."""
+def test_a_reply_into_a_context_that_has_finished_is_refused(server):
+    """A chat.request naming a context already spoken to its end: its first piece is refused with context_closed on
+    the audio socket and the turn ends `error`, as for a context the client has ended (it was a silent chat.done
+    {reason: cancelled}); a new context_id is spoken."""
     async def go():
         tts, session_id, chat, _ = await open_pair(server)
         await ask(chat, session_id, "r1", "done-ctx")
         await until(chat, lambda e: e["type"] == "chat.done")
         await until(tts, lambda e: e["type"] == "context.done")
         await ask(chat, session_id, "r2", "done-ctx")
-        error = await receive(chat)
-        assert (error["type"], error["code"], error["id"], error["fatal"]) == ("error", "context_closed", "r2", False)
+        assert (await until(chat, lambda e: e["type"] == "chat.done"))[-1]["reason"] == "error"
+        error = (await until(tts, lambda e: e["type"] == "error"))[-1]
+        assert (error["code"], error["context_id"]) == ("context_closed", "done-ctx")
         await ask(chat, session_id, "r3", "next-ctx")
-        assert (await until(chat, lambda e: e["type"] == "chat.done"))[-1]["id"] == "r3"
+        assert (await until(chat, lambda e: e["type"] == "chat.done"))[-1]["reason"] == "stop"
         await chat.close()
         await tts.close()
     asyncio.run(go())

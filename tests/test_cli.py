@@ -236,6 +236,7 @@ def test_serve_holds_each_utterance_to_its_synthetic_length(tiny_checkpoints, tm
     (["--chunk-schedule", "bogus"], "--chunk-schedule 'bogus': choose one of fixed, lead"),
     (["--admission", "nope"], "--admission 'nope': choose one of all, protect"),
     (["--busy-batch", "-1"], "--busy-batch must be at least 0"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
 ])
 def test_serve_refuses_unknown_scheduling_by_name(args, message):
     run = voxgate("serve", *args)

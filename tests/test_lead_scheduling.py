@@ -203,17 +203,21 @@ def test_new_options_change_timing_not_audio(tts, one_thread, step_s):
 
 @pytest.mark.parametrize("chunk_schedule", ["fixed", "lead"])
 def test_a_busy_step_gives_first_chunks_two_frames_and_the_same_audio(tts, one_thread, chunk_schedule):
-    """One-shot requests: one alone starts with one frame, two that join together (a step of 3 > `busy_batch` 2) start
-    with two, one step later; an interactive request joining with them keeps its one-frame start. Every request's
-    audio is the one-frame start's and the offline decode's."""
+    """One-shot requests: one alone starts with one frame, two that join together (a step of 4 > `busy_batch` 2) start
+    with two, one step later; an interactive request joining with them keeps its one-frame start; the first, busy
+    from its second step on, goes on as it began (the busy rule lengthens first chunks only). Every request's audio
+    is the one-frame start's and the offline decode's."""
     reqs = [replace(r, interactive=i == 3) for i, r in enumerate(requests(tts, frames=[30, 24, 12, 16]))]
-    schedule = {0: reqs[:1], 3: reqs[1:]}
+    schedule = {0: reqs[:1], 1: reqs[1:]}
     config = dict(max_batch=4, capacity=256, chunk_frames=4, overlap_decoding=False, chunk_schedule=chunk_schedule)
     default = run(Engine(tts, EngineConfig(**config)), schedule, 0.03)
     busy = run(Engine(tts, EngineConfig(**config, busy_batch=2)), schedule, 0.03)
     assert [busy[i][1][0] for i in range(4)] == [1, 2, 2, 1]
     assert [default[i][1][0] for i in range(4)] == [1, 1, 1, 1]
     assert [busy[i][2] - default[i][2] for i in range(4)] == [0, 1, 1, 0]  # a step later
+    assert busy[0][1] == default[0][1]
+    if chunk_schedule == "fixed":
+        assert busy[0][1][:4] == [1, 1, 2, 4]
     for i, request in enumerate(reqs):
         expected = tts.synthesize(request.text, request.voice, language=request.language, layout=request.layout,
                                   sampling=request.sampling, max_frames=request.max_frames).audio

@@ -48,6 +48,15 @@ def first_chunk(first_chunk_frames: int, batch: int, busy_batch: int | None, int
     return first_chunk_frames + 1 if busy else first_chunk_frames
 
 
+def fixed_chunk(decoded_frames: int, first: int, first_chunk_frames: int, chunk_frames: int) -> int:
+    """The `fixed` schedule: the first chunk is `first` frames (`first_chunk`); later ones grow with the audio out
+    (1, 1, 2, 4, ... frames up to `chunk_frames`), each due before the audio in front of it has played, the decoder's
+    fixed cost amortised as the buffer grows. A busy step lengthens only the first."""
+    if decoded_frames == 0:
+        return first
+    return min(chunk_frames, max(first_chunk_frames, decoded_frames))
+
+
 def later_chunk_lengths(chunk_frames: int) -> tuple[int, ...]:
     """The lengths of `lead_chunk`'s chunks after the first: the powers of two below `chunk_frames`, and it."""
     return tuple(sorted({chunk_frames, *(1 << k for k in range(chunk_frames.bit_length()) if 1 << k < chunk_frames)}))
@@ -97,10 +106,8 @@ class Decoding:
         self._fail = fail
 
     def chunk_due(self, decoded_frames: int, first: int) -> int:
-        """Chunks grow with the audio already out (1, 1, 2, 4, ... frames after a `first`-frame start): each one is
-        due before the audio in front of it has played, and the decoder's fixed cost is amortised as the buffer
-        grows."""
-        return min(self.chunk_frames, max(first, decoded_frames))
+        """The `fixed` schedule's next chunk (`fixed_chunk`) after a `first`-frame start."""
+        return fixed_chunk(decoded_frames, first, self.first_chunk_frames, self.chunk_frames)
 
     def first_chunks(self) -> tuple[int, ...]:
         """The lengths a first chunk may have: `first_chunk_frames`, and one more with a `busy_batch`."""
@@ -147,8 +154,8 @@ class Decoding:
                     if piece < len(lengths) and seq.error is None:
                         groups.setdefault(lengths[piece], []).append(seq)
                 for length, group in groups.items():
-                    first = {seq: sum(pieces[seq][:piece]) for seq in group}
-                    isolated(group, partial(self._decode, first=first, length=length), "decoding its audio",
+                    offset = {seq: sum(pieces[seq][:piece]) for seq in group}
+                    isolated(group, partial(self._decode, offset=offset, length=length), "decoding its audio",
                              self._fail)
         for seq in due:
             seq.decoded_frames += len(seq.pending)
@@ -167,11 +174,11 @@ class Decoding:
         return [s for s in stepped if s.pending and (s.done or len(s.pending) >= lead_chunk(
             s.decoded_frames, lead(s, now) if s.decoded_frames else 0.0, first(s), largest))]
 
-    def _decode(self, seqs: list[Sequence], first: dict[Sequence, int], length: int) -> None:
-        """Queue the decoding of frames first[s]..first[s]+length of each request's pending frames."""
-        codes = torch.stack([torch.stack(s.pending[first[s]:first[s] + length]) for s in seqs])
+    def _decode(self, seqs: list[Sequence], offset: dict[Sequence, int], length: int) -> None:
+        """Queue the decoding of frames offset[s]..offset[s]+length of each request's pending frames."""
+        codes = torch.stack([torch.stack(s.pending[offset[s]:offset[s] + length]) for s in seqs])
         audio = self.decoders.decode([s.slot for s in seqs], codes)
-        owners = [(s, (s.decoded_frames + first[s]) * self.samples_per_frame) for s in seqs]
+        owners = [(s, (s.decoded_frames + offset[s]) * self.samples_per_frame) for s in seqs]
         pending = self.overlap.to_host(owners, audio)
         pending.step = self.queued_steps + 1
         self.in_flight.append(pending)

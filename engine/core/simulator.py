@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from engine.core.decoding import CHUNK_SCHEDULES, first_chunk, lead_chunk
+from engine.core.decoding import CHUNK_SCHEDULES, first_chunk, fixed_chunk, lead_chunk
 from engine.core.scheduler import FRAME_SECONDS, Scheduler, lead
 
 
@@ -84,6 +84,7 @@ class SimRequest:
 
     @property
     def interactive(self) -> bool:
+        """A conversation's request, as SynthesisRequest's (the scheduler's reserved slots, the busy start)."""
         return self.arrival.interactive
 
     def _tokens(self) -> int:
@@ -169,7 +170,7 @@ def _due(batch: list[SimRequest], now: float, chunks: str, first_frames: int, la
     def due(r: SimRequest) -> int:
         first = first_chunk(first_frames, len(batch), busy_batch, r.interactive)
         if chunks == "fixed":
-            return min(largest, max(first, r.decoded_frames))  # Decoding.chunk_due
+            return fixed_chunk(r.decoded_frames, first, first_frames, largest)
         return lead_chunk(r.decoded_frames, lead(r, now) if r.decoded_frames else 0.0, first, largest)
 
     return [r for r in batch if r.done or r.pending >= due(r)]

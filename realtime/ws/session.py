@@ -44,7 +44,7 @@ ABORT_GRACE_S = 2.0
 
 
 class Session:
-    def __init__(self, websocket: WebSocket, gateway: Gateway, config: SessionConfig, owner: str | None = None) -> None:
+    def __init__(self, websocket: WebSocket, gateway: Gateway, config: SessionConfig, owner: str | None) -> None:
         """`owner`: the API key the socket presented (None on an open gateway): only a chat socket with the same
         key may speak into this session (chat.py)."""
         self.ws, self.gateway = websocket, gateway
