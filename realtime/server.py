@@ -5,12 +5,13 @@ hold an API key."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import socket
-from http import HTTPStatus
 import warnings
+from http import HTTPStatus
 from collections import deque
 from typing import Any
 from urllib.parse import unquote_plus
@@ -22,6 +23,8 @@ from realtime.app import WEB_DIR, create_app, drain_sessions
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway, GatewayOptions, check_options
 from realtime.http_transport import GuardedH11Protocol
+from realtime.ws.protocol import ProtocolError as SessionFailure
+from realtime.ws.protocol import error_event
 
 # uvicorn's legacy websockets protocol, on purpose: its sans-I/O one (uvicorn 0.54) closes the TCP connection right
 # after the 1009 close frame of an oversized message while the client is still sending, so the client gets a reset
@@ -31,9 +34,9 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="websockets.legacy is deprecated")
     from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
     from websockets.datastructures import Headers
-    from websockets.exceptions import InvalidHandshake, InvalidUpgrade, ProtocolError
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidUpgrade, ProtocolError
     from websockets.legacy.exceptions import AbortHandshake
-    from websockets.frames import DATA_OPCODES, Frame, Opcode
+    from websockets.frames import DATA_OPCODES, CloseCode, Frame, Opcode
     from websockets.legacy.protocol import MAX_FRAGMENTS, TooManyFragments
     from websockets.protocol import State
 
@@ -65,7 +68,9 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
     And a connection logs on SOCKET_LOG, whose INFO lines (three a session: open, accepted, closed) are off unless the
     log level is debug: a client opening and closing sessions in a loop wrote three lines a socket, and a storm of
     512 sessions spent 13% of the event loop's samples writing them (docs/benchmarks.md, "The session storm's log
-    lines"). Warnings and errors stay."""
+    lines"). Warnings and errors stay.
+
+    And a ping left unanswered closes the session as a slow consumer (`keepalive_ping`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._drain_waiters: deque[asyncio.Future[None]] = deque()
@@ -95,6 +100,31 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
             return
         self._write_held()
         self.transport.write(frame)
+
+    async def keepalive_ping(self) -> None:
+        """The library's keepalive, two things changed. The ping's own send counts against the pong's timeout: it
+        waited without bound behind audio the client did not read. And a pong that does not come ends the session
+        under the slow-consumer policy (PROTOCOL.md, Backpressure: `error{slow_consumer, fatal}`, then 1008), not
+        with 1011, which says the server failed: a client library answers pings as it reads, so a client that
+        answers none reads nothing."""
+        if self.ping_interval is None:
+            return
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                await asyncio.sleep(self.ping_interval)
+                try:
+                    async with asyncio.timeout(self.ping_timeout):
+                        await (await self.ping())
+                except TimeoutError:
+                    self._close_unread()
+                    return
+
+    def _close_unread(self) -> None:
+        failure = SessionFailure("slow_consumer", f"the client answered no ping for {self.ping_timeout:g} s: it "
+                                                  "reads nothing; closing", fatal=True)
+        if self.state is State.OPEN:  # behind what the client has not read yet, like the close frame
+            self.write_frame_sync(True, Opcode.TEXT, json.dumps(error_event(failure)).encode())
+        self.fail_connection(CloseCode.POLICY_VIOLATION, "slow_consumer")
 
     async def process_request(self, path: str, request_headers: Headers) -> Any:
         """The library decodes header bytes that are not ASCII with `surrogateescape`, and uvicorn's latin-1 encoding

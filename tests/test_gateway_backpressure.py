@@ -1,7 +1,8 @@
 """A client that stops reading: the session's queued audio stays bounded (synthesis pauses), the client is warned,
 and past the hard limit the session is closed with `slow_consumer`; the server keeps serving others; a client that
 reads again before it gets all of its audio. A client that
-keeps sending pings meanwhile gets the same close: the pongs wait behind its unread audio."""
+keeps sending pings meanwhile gets the same close: the pongs wait behind its unread audio. A client that answers no
+ping is closed the same way."""
 from __future__ import annotations
 
 import asyncio
@@ -59,6 +60,35 @@ def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch, p
                                                                                                    events[-3:])
             async with connect(server.ws) as other:  # the server is fine
                 assert json.loads(await other.recv())["type"] == "session.started"
+        asyncio.run(go())
+
+
+def test_a_client_that_answers_no_ping_is_closed_as_a_slow_consumer(monkeypatch):
+    """A client that stops reading before its send queue fills (the kernel's buffers hold its audio) answers no
+    ping either: the keepalive ends its session with `error{slow_consumer, fatal}` and 1008, not 1011, which says
+    the server failed. A client that reads keeps its session past the same timeouts."""
+    monkeypatch.setattr(server_module, "PING_INTERVAL_S", 0.3)
+    monkeypatch.setattr(server_module, "PING_TIMEOUT_S", 0.7)
+    with running_server(Limits(send_queue_ms=60_000)) as server:  # the hard limit stays out of the way
+        async def go():
+            reader = await connect(server.ws)
+            await reader.recv()  # session.started
+            ws, _ = await _small_window_session(server, 24000)
+            ws.transport.pause_reading()
+            await ws.send(json.dumps({"type": "text.append", "context_id": "a", "flush": True,
+                                      "text": "A long answer that keeps the model talking for a while. " * 3}))
+            started = time.monotonic()
+            while len(server.gateway.sessions) > 1 and time.monotonic() - started < 20:
+                await asyncio.sleep(0.05)
+            assert len(server.gateway.sessions) == 1, "the silent client's session stayed open"
+            ws.transport.resume_reading()
+            events, close_code = await events_until_closed(ws)
+            errors = [e for e in events if e["type"] == "error"]
+            assert close_code == 1008, (close_code, events[-3:])
+            assert errors and errors[-1]["code"] == "slow_consumer" and errors[-1]["fatal"], events[-3:]
+            await reader.send(json.dumps({"type": "ping", "event_id": 1}))  # the reading client is still served
+            assert json.loads(await reader.recv())["type"] == "pong"
+            await reader.close()
         asyncio.run(go())
 
 
