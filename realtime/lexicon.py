@@ -17,6 +17,7 @@ import gc
 import re
 import threading
 import time
+import unicodedata
 import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,9 @@ MAX_LEXICON_CHARS = 50_000  # terms and replacements together
 MAX_STORED_LEXICONS = 100
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SPACES = re.compile(r"\s+")
+# characters that show nothing alone: format characters (ZWSP, joiners, bidi marks), controls, surrogates, unassigned
+# code points, combining marks and separators; a term of these only would rewrite what nobody wrote
+_UNSEEN = frozenset({"Cc", "Cf", "Cs", "Cn", "Mn", "Mc", "Me", "Zs", "Zl", "Zp"})
 # client lexicons are compiled here, one at a time: pure Python holds the GIL, so each compile running beside the
 # event loop takes a share of it; one at a time, the loop keeps at least half
 LEXICON_COMPILER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-lexicon")
@@ -370,6 +374,13 @@ def _rule(item: Any, index: int) -> Rule:
     term = _SPACES.sub(" ", term.strip())
     if not term:
         raise LexiconError(f"rule {index}: the term is empty")
+    if all(unicodedata.category(ch) in _UNSEEN for ch in term):
+        raise LexiconError(f"rule {index}: the term {term!r} has no visible character (only format characters, "
+                           "controls or marks)")
+    for name, text in (("term", term), ("replacement", replacement)):
+        control = next((ch for ch in text if unicodedata.category(ch) == "Cc" and not ch.isspace()), None)
+        if control is not None:
+            raise LexiconError(f"rule {index}: the {name} holds the control character U+{ord(control):04X}")
     if len(term) > MAX_TERM_CHARS:
         raise LexiconError(f"rule {index}: a term takes at most {MAX_TERM_CHARS} characters")
     if len(replacement) > MAX_REPLACEMENT_CHARS:

@@ -174,6 +174,22 @@ def test_hostile_rules_get_a_lexicon_error(value):
         parse_rules(value)
 
 
+UNSEEN = st.text(alphabet=st.sampled_from("\u200b\u200c\u200d\u2060\ufeff\u00ad\u200e\u202e\u0301\u20dd\u0903 "
+                                           "\u3000\u2028\x01"), min_size=1, max_size=10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(UNSEEN, st.text(alphabet="abc\u00e9\u4e2d1", min_size=1, max_size=3))
+def test_a_term_needs_a_visible_character(unseen, visible):
+    """A term of zero-width, format, control or combining characters only would rewrite text nobody sees: refused by
+    rule; one visible character among them is a term (where it holds no control character)."""
+    if unseen.strip():
+        with pytest.raises(LexiconError, match="rule 0: the term .* (has no visible character|holds the control)"):
+            parse_rules([{"term": unseen, "replacement": "x"}])
+    term = unseen.replace("\x01", "") + visible
+    assert parse_rules([{"term": term, "replacement": "x"}]).describe()["rules"][0]["term"] == " ".join(term.split())
+
+
 @pytest.mark.parametrize("rules, says", [
     ([], "at least one rule"),
     ([{"term": "  ", "replacement": "x"}], "rule 0: the term is empty"),
@@ -184,6 +200,8 @@ def test_hostile_rules_get_a_lexicon_error(value):
     ([{"term": f"t{i}", "replacement": ""} for i in range(MAX_RULES + 1)], f"at most {MAX_RULES} rules"),
     ([{"term": f"{i:05d}" + "t" * 90, "replacement": "r" * 150} for i in range(250)], str(MAX_LEXICON_CHARS)),
     ("NASA", "a list of rules"),
+    ([{"term": "a\x00b", "replacement": "x"}], "rule 0: the term holds the control character U+0000"),
+    ([{"term": "ab", "replacement": "x\x07"}], "rule 0: the replacement holds the control character U+0007"),
 ])
 def test_bad_lexicons_are_refused_by_name(rules, says):
     with pytest.raises(LexiconError, match=None) as refused:
