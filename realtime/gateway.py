@@ -213,6 +213,7 @@ class Gateway:
             log.info("warming up")
             await self._warm_up()
             freeze_long_lived()
+            self.metrics.collections.watch()
             self.state = "ready"
             log.info("ready in %.1f s", time.perf_counter() - started)
             self._spawn(self._watch())
@@ -406,6 +407,7 @@ class Gateway:
         if self.engine is not None:
             await self.engine.stop()
         await self.encoders.stop()
+        self.metrics.collections.unwatch()
         thaw()
         if self.library is not None and self.library.store is not None:
             self.library.store.close()

@@ -23,3 +23,29 @@ def test_a_ready_server_freezes_its_long_lived_objects_and_thaws_them_when_it_st
         # lowers the count: only a thaw would empty it).
         assert gc.get_freeze_count() > 10_000
     assert gc.get_freeze_count() == 0
+
+
+def test_a_storm_of_long_lived_objects_sets_off_no_full_collection_while_serving():
+    """A storm of sessions makes objects that live on: under the default thresholds they were promoted fast enough
+    to set off full collections, each walking every live session with the loop stopped (engine/serving/heap.py).
+    The collections that do run are timed in /metrics."""
+    default = gc.get_threshold()
+    collected: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected.append(info["generation"])
+
+    with running_server() as server:
+        gc.callbacks.append(count)
+        try:
+            storm = [[index] for index in range(150_000)]  # ~512 sessions' worth, all alive (lists stay tracked)
+        finally:
+            gc.callbacks.remove(count)
+        assert len(storm) == 150_000
+        assert 0 < collected.count(0) and 2 not in collected, collected
+        _, body = server.get("/metrics")  # each collection is timed there: it stopped the server's event loop
+        timed = {line.split()[0]: float(line.split()[1]) for line in body.decode().splitlines()
+                 if line.startswith("voxgate_gc_pause_seconds_count")}
+        assert timed.get('voxgate_gc_pause_seconds_count{generation="0"}', 0) >= collected.count(0), timed
+    assert gc.get_threshold() == default  # a stopped server leaves the process as it found it

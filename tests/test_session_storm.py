@@ -20,3 +20,5 @@ def test_every_session_of_a_storm_starts_and_is_timed():
     opened, started = report["opened_s"], report["started_s"]
     assert 0 < opened["p50"] <= opened["p95"] <= opened["max"] <= started["max"]
     assert started["p50"] <= started["p95"] <= started["max"] < 60
+    for generation, pauses in report["gc_pauses"].items():  # the server's own collections meanwhile, if any
+        assert generation in "012" and pauses["count"] >= 0 and pauses["seconds"] >= 0

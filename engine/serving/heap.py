@@ -5,19 +5,35 @@ the engine, its CUDA graphs, the libraries' modules). Python's full collection w
 in which the process runs nothing else, so every stream's audio stalls at once (under tts_bench at 20 req/s, nine
 streams stalled together for ~140 ms). Frozen, they are left out of every collection; what the server makes later
 is collected as usual.
+
+Later, the young generation's threshold is raised from 700 allocations to 50,000. What a server makes while it
+serves is either short-lived (freed by its reference count before any collection sees it) or a session's objects,
+which live for seconds to minutes: with the default thresholds a storm of sessions promoted them through the
+generations quickly enough to set off full collections, each walking every live session's objects with the loop
+stopped (30-110 ms on the development box for 512 sessions, docs/benchmarks.md "Garbage collection in a session
+storm"). With the raised threshold a storm of 512 sessions sees a few young collections (10-35 ms each) and no older
+one; collections still run, so cycles are still freed.
 """
 from __future__ import annotations
 
 import gc
+
+# (young, middle, old): the young generation is collected after this many net allocations, the middle one after
+# this many young collections, the old one after this many middle ones (and only when its pending objects pass a
+# quarter of it, CPython's own rule)
+SERVING_THRESHOLDS = (50_000, 20, 10)
+_DEFAULT_THRESHOLDS = gc.get_threshold()
 
 
 def freeze_long_lived() -> None:
     """Collect what is garbage now, then move everything still alive out of the collector's reach."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(*SERVING_THRESHOLDS)
 
 
 def thaw() -> None:
     """Before long-lived objects are let go (an engine replaced, a server stopped): they are collectable again, so
     the cycles among them are freed rather than kept for good."""
     gc.unfreeze()
+    gc.set_threshold(*_DEFAULT_THRESHOLDS)
