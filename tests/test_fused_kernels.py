@@ -6,14 +6,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import TransformerConfig
+from engine.config import CodecDecoderConfig, TransformerConfig
 from engine.kernels import dependent_launch as dependent_launch_module
 from engine.kernels.dependent_launch import dependent_launch
 from engine.kernels.few_rows_linear import few_rows_linear
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
 from engine.kernels.conv_elementwise import _grid, add_bias_residual, snake_padded
-from engine.model.codec_decoder import SnakeBeta
+from engine.kernels.window_attention import window_attention
+from engine.model.codec_decoder import DecoderState, SnakeBeta, WindowAttention, window_mask
 from engine.model.layers import Attention, RMSNorm, RotaryEmbedding, apply_rope
 from engine.sampling import SamplerBatch, choose, draw_counter
 
@@ -265,3 +266,44 @@ def test_dependent_launch_only_where_the_gpu_and_the_switch_allow_it(monkeypatch
     assert dependent_launch(torch.device("cuda", 0)) is expected
     assert dependent_launch(torch.device("cpu")) is False
     dependent_launch_module._launches_dependently.cache_clear()  # no answer from a patched GPU stays behind
+
+
+def _window_attention_module(heads: int, kv_heads: int, dtype: torch.dtype, seed: int) -> WindowAttention:
+    cfg = CodecDecoderConfig(codebook_size=16, codebook_dim=8, latent_dim=16, decoder_dim=16, hidden_size=32,
+                             intermediate_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=16, num_hidden_layers=1, sliding_window=12, rope_theta=10000.0,
+                             rms_norm_eps=1e-5, layer_scale_initial_scale=0.01, num_quantizers=2,
+                             upsample_rates=(2,), upsampling_ratios=(2,))
+    generator = torch.Generator().manual_seed(seed)
+    attention = WindowAttention(cfg)
+    for param in attention.parameters():
+        param.data = torch.randn(param.shape, generator=generator) * 0.3
+    return attention.to(dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(DTYPES), st.sampled_from([(4, 4), (4, 2), (2, 1)]), st.integers(1, 3), st.integers(1, 5),
+       st.lists(st.integers(0, 40), min_size=3, max_size=3), st.integers(0, 2**16))
+def test_window_attention_is_the_decoder_transformers_attention(dtype, heads, rows, frames, positions, seed):
+    """RoPE, the window's shift and the masked attention in one kernel, against `WindowAttention`'s PyTorch code:
+    streams at their start (fewer frames than the window: the zeros before them unseen) and past it, several frames
+    a call, grouped query heads; the next call's window too."""
+    attention = _window_attention_module(*heads, dtype, seed)
+    window, kv_heads, dim = attention.window, attention.kv_heads, attention.head_dim
+    generator = torch.Generator().manual_seed(seed)
+    position = torch.tensor(positions[:rows])
+    x = torch.randn(rows, frames, 32, generator=generator).to(dtype)
+    past_keys, past_values = (torch.randn(rows, kv_heads, window, dim, generator=generator).to(dtype)
+                              for _ in range(2))
+    cos, sin = RotaryEmbedding(dim, 10000.0)(position[:, None] + torch.arange(frames)[None], dtype)
+    state = DecoderState(position=position, keys=[past_keys.clone()], values=[past_values.clone()])
+    expected = attention(x, cos, sin, window_mask(position, frames, window), state, 0)
+    out, keys, values = window_attention(F.linear(x, *attention._qkv()), cos, sin, past_keys, past_values, position,
+                                         attention.heads)
+    torch.testing.assert_close(keys, state.keys[0], **tolerance(dtype))
+    assert torch.equal(values, state.values[0])  # moved, never computed
+    if dtype == torch.float32:
+        torch.testing.assert_close(attention.o_proj(out), expected, **tolerance(dtype))
+    else:  # a key a bf16 step apart moves every weight a little: the whole output within bf16's precision
+        difference = (attention.o_proj(out) - expected).float().norm() / expected.float().norm()
+        assert difference < 2e-2, difference

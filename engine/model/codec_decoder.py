@@ -195,11 +195,18 @@ class WindowAttention(nn.Module):
         self._qkv_weight = Derived(lambda *weights: torch.cat(weights))
         self._qkv_bias = Derived(lambda *biases: torch.cat(biases)) if bias else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor | None,
                 state: DecoderState, layer: int) -> torch.Tensor:
-        """`hidden`: the keys each query may not see (`window_mask`), the same for every layer."""
+        """`hidden`: the keys each query may not see (`window_mask`), the same for every layer; None on a GPU's
+        fast path, where one kernel does RoPE, the window's shift and the attention
+        (`engine/kernels/window_attention.py`) with the same arithmetic."""
         b, n, _ = x.shape
         qkv = F.linear(x, *self._qkv())
+        if hidden is None:
+            from engine.kernels.window_attention import window_attention  # imported here: Triton only where it runs
+            out, state.keys[layer], state.values[layer] = window_attention(
+                qkv, cos, sin, state.keys[layer], state.values[layer], state.position, self.heads)
+            return self.o_proj(out)
         heads = qkv.unflatten(-1, (self.heads + 2 * self.kv_heads, self.head_dim)).transpose(1, 2)
         # q and k rotate as one tensor: the same elementwise ops, half the launches
         q, k = apply_rope(heads[:, : self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), 1)
@@ -281,6 +288,7 @@ class PreTransformer(nn.Module):
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.window = cfg.sliding_window
+        self.fast_path = False  # `CodecDecoder.use_fast_path`: the attention's kernel on a GPU
 
     def forward(self, x: torch.Tensor, state: DecoderState) -> torch.Tensor:
         """x [B, n, latent] for frames state.position .. + n."""
@@ -288,7 +296,7 @@ class PreTransformer(nn.Module):
         positions = state.position[:, None] + torch.arange(n, device=x.device)[None]
         x = self.input_proj(x)
         cos, sin = self.rotary(positions, x.dtype)
-        hidden = window_mask(state.position, n, self.window)
+        hidden = None if self.fast_path and x.is_cuda else window_mask(state.position, n, self.window)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, hidden, state, i)
         return self.output_proj(self.norm(x))
@@ -381,10 +389,12 @@ class CodecDecoder(nn.Module):
         layout already, and the padding kernel writes it. A grouped convolution (ConvNeXt's depthwise one, on few
         columns) stays as it is: cuDNN's channels-last kernels for it are slow. Only for calls whose convolution
         algorithms were timed (the decoder pool's CUDA graphs): cuDNN's untimed picks in this layout are slower than
-        the plain path. The arithmetic is the plain path's: the tests check it on the CPU."""
+        the plain path. The arithmetic is the plain path's: the tests check it on the CPU. The transformer's window
+        attention runs as one kernel per layer (`engine/kernels/window_attention.py`)."""
         for module in self.modules():
             if isinstance(module, (CausalConv, CausalTransposedConv)):
                 module.fast_path = on and module.conv.groups == 1
+        self.pre_transformer.fast_path = on
 
     def new_state(self, batch: int = 1, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> DecoderState:
