@@ -123,6 +123,28 @@ def test_the_fast_path_decodes_as_the_plain_one(decoder: CodecDecoder) -> None:
     assert not any(module.fast_path for module in decoder.modules() if hasattr(module, "fast_path"))
 
 
+@torch.inference_mode()
+def test_the_fast_paths_fused_transformer_is_the_plain_one(decoder: CodecDecoder) -> None:
+    """The pre-transformer's GPU path (`PreTransformer.fused`: LayerScale + residual + RMSNorm, SwiGLU and the window
+    attention as Triton kernels, run here by the interpreter) streamed past its window, chunk by chunk, against the
+    plain layers: the same outputs and the same states."""
+    transformer = decoder.pre_transformer
+    latent = torch.randn(2, 90, transformer.input_proj.in_features, generator=torch.Generator().manual_seed(5))
+    plain_state, fused_state = decoder.new_state(batch=2), decoder.new_state(batch=2)
+    for start in range(0, 90, 4):
+        chunk = latent[:, start:start + 4]
+        plain = transformer(chunk, plain_state)
+        n = chunk.shape[1]
+        positions = fused_state.position[:, None] + torch.arange(n)[None]
+        fused = transformer.fused(transformer.input_proj(chunk), *transformer.rotary(positions, chunk.dtype),
+                                  fused_state)
+        torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+        for cached, expected in zip(fused_state.keys + fused_state.values, plain_state.keys + plain_state.values):
+            torch.testing.assert_close(cached, expected, atol=1e-5, rtol=1e-5)
+        plain_state.position = plain_state.position + n
+        fused_state.position = fused_state.position + n
+
+
 class _ReplayedInPlace:
     """What a captured decode graph does, run eagerly: the pool's gather-decode-scatter on the graph's static inputs,
     its output written into memory that every graph of the pool shares (as CUDA graphs captured into one pool may:

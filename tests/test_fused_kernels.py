@@ -15,7 +15,7 @@ from engine.kernels.sampling import fused_choose
 from engine.kernels.conv_elementwise import _grid, add_bias_residual, snake_padded
 from engine.kernels.window_attention import window_attention
 from engine.model.codec_decoder import DecoderState, SnakeBeta, WindowAttention, window_mask
-from engine.model.layers import Attention, RMSNorm, RotaryEmbedding, apply_rope
+from engine.model.layers import Attention, LayerScale, RMSNorm, RotaryEmbedding, apply_rope
 from engine.sampling import SamplerBatch, choose, draw_counter
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -43,6 +43,12 @@ def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype):
     plain = residual.clone()
     torch.testing.assert_close(add_rms_norm(plain, None, norm.weight, 1e-6), norm(residual), **tolerance(dtype))
     assert torch.equal(plain, residual)
+    scale = LayerScale(96, 0.01).to(dtype)  # the codec transformer's branch scale
+    scale.scale.data = torch.randn(96, generator=generator).to(dtype)
+    scaled = residual.clone()
+    normed = add_rms_norm(scaled, delta, norm.weight, 1e-6, scale.scale)
+    torch.testing.assert_close(scaled, residual + scale(delta), **tolerance(dtype))
+    torch.testing.assert_close(normed, norm(residual + scale(delta)), **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -284,6 +290,7 @@ def _window_attention_module(heads: int, kv_heads: int, dtype: torch.dtype, seed
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from(DTYPES), st.sampled_from([(4, 4), (4, 2), (2, 1)]), st.integers(1, 3), st.integers(1, 5),
        st.lists(st.integers(0, 40), min_size=3, max_size=3), st.integers(0, 2**16))
+@torch.inference_mode()
 def test_window_attention_is_the_decoder_transformers_attention(dtype, heads, rows, frames, positions, seed):
     """RoPE, the window's shift and the masked attention in one kernel, against `WindowAttention`'s PyTorch code:
     streams at their start (fewer frames than the window: the zeros before them unseen) and past it, several frames
@@ -304,6 +311,7 @@ def test_window_attention_is_the_decoder_transformers_attention(dtype, heads, ro
     assert torch.equal(values, state.values[0])  # moved, never computed
     if dtype == torch.float32:
         torch.testing.assert_close(attention.o_proj(out), expected, **tolerance(dtype))
-    else:  # a key a bf16 step apart moves every weight a little: the whole output within bf16's precision
+    else:  # a key a bf16 step apart moves every weight a little, and the interpreter truncates each of the ~6
+        # roundings where the GPU rounds to nearest (up to 2^-7 each): the whole output within a few of those
         difference = (attention.o_proj(out) - expected).float().norm() / expected.float().norm()
-        assert difference < 2e-2, difference
+        assert difference < 5e-2, difference

@@ -22,8 +22,8 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm_kernel(residual_ptr, delta_ptr, weight_ptr, normed_ptr, size, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(residual_ptr, delta_ptr, scale_ptr, weight_ptr, normed_ptr, size, eps,
+                         HAS_DELTA: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -31,21 +31,27 @@ def _add_rms_norm_kernel(residual_ptr, delta_ptr, weight_ptr, normed_ptr, size, 
     dtype = normed_ptr.dtype.element_ty
     x = tl.load(residual_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        x = _rounded(x + tl.load(delta_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32), dtype)
+        delta = tl.load(delta_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:  # a LayerScale on the branch, rounded as its own multiply
+            delta = _rounded(delta * tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32), dtype)
+        x = _rounded(x + delta, dtype)
         tl.store(residual_ptr + row * size + cols, x.to(dtype), mask=mask)
     normalised = _rounded(x * tl.rsqrt(tl.sum(x * x, axis=0) / size + eps), dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed_ptr + row * size + cols, (weight * normalised).to(dtype), mask=mask)
 
 
-def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual [N, H] += delta (in place, rounded as the reference's `x + f(x)`); returns RMSNorm(residual)."""
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """residual [N, H] += delta, or scale * delta with a per-channel `scale` [H] (a LayerScale), in place and
+    rounded as the reference's `x + f(x)`; returns RMSNorm(residual). Both [N, H] contiguous."""
     rows, size = residual.shape
+    assert residual.is_contiguous() and (delta is None or delta.is_contiguous())
     normed = torch.empty_like(residual)
     pdl = dependent_launch(residual.device)
-    _add_rms_norm_kernel[(rows,)](residual, residual if delta is None else delta, weight, normed, size, eps,
-                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(size), PDL=pdl,
-                                  launch_pdl=pdl)
+    _add_rms_norm_kernel[(rows,)](residual, residual if delta is None else delta, weight if scale is None else scale,
+                                  weight, normed, size, eps, HAS_DELTA=delta is not None, HAS_SCALE=scale is not None,
+                                  BLOCK=triton.next_power_of_2(size), PDL=pdl, launch_pdl=pdl)
     return normed
 
 

@@ -198,7 +198,7 @@ class WindowAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor | None,
                 state: DecoderState, layer: int) -> torch.Tensor:
         """`hidden`: the keys each query may not see (`window_mask`), the same for every layer; None on a GPU's
-        fast path, where one kernel does RoPE, the window's shift and the attention
+        fast path (`PreTransformer.fused`), where one kernel does RoPE, the window's shift and the attention
         (`engine/kernels/window_attention.py`) with the same arithmetic."""
         b, n, _ = x.shape
         qkv = F.linear(x, *self._qkv())
@@ -258,8 +258,11 @@ class GateUpMLP(MLP):
         super().__init__(hidden, intermediate)
         self._gate_up = Derived(lambda gate, up: torch.cat((gate, up)))
 
+    def gate_up_weight(self) -> torch.Tensor:
+        return self._gate_up(self.gate_proj.weight, self.up_proj.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self._gate_up(self.gate_proj.weight, self.up_proj.weight)).chunk(2, dim=-1)
+        gate, up = F.linear(x, self.gate_up_weight()).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -296,10 +299,32 @@ class PreTransformer(nn.Module):
         positions = state.position[:, None] + torch.arange(n, device=x.device)[None]
         x = self.input_proj(x)
         cos, sin = self.rotary(positions, x.dtype)
-        hidden = None if self.fast_path and x.is_cuda else window_mask(state.position, n, self.window)
+        if self.fast_path and x.is_cuda:
+            return self.fused(x, cos, sin, state)
+        hidden = window_mask(state.position, n, self.window)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, hidden, state, i)
         return self.output_proj(self.norm(x))
+
+    def fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        """The layers on a GPU's fast path, the same arithmetic in fewer launches: each LayerScale, residual add and
+        the RMSNorm after it in one kernel (six PyTorch ops before), SwiGLU in one, the attention in one
+        (`WindowAttention.forward`). x [B, n, hidden], consumed (it is the residual)."""
+        from engine.kernels.layer_ops import add_rms_norm, silu_mul  # imported here: Triton only where it runs
+        b, n, size = x.shape
+        residual = x.reshape(b * n, size)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        first = self.layers[0].input_layernorm
+        normed = add_rms_norm(residual, None, first.weight, first.eps)
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            attended = layer.self_attn(normed.view(b, n, size), cos, sin, None, state, i)
+            post = layer.post_attention_layernorm
+            normed = add_rms_norm(residual, attended.reshape(b * n, size), post.weight, post.eps,
+                                  layer.self_attn_layer_scale.scale)
+            mlp = layer.mlp
+            down = mlp.down_proj(silu_mul(F.linear(normed, mlp.gate_up_weight())))
+            normed = add_rms_norm(residual, down, next_norm.weight, next_norm.eps, layer.mlp_layer_scale.scale)
+        return self.output_proj(normed.view(b, n, size))
 
 
 class Codebook(nn.Module):
