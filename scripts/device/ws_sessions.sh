@@ -12,8 +12,8 @@
 # `stress[N]` (the same, each next context at once), `ttsR` (tts_bench at R req/s for $TTS_DURATION [40s] after its
 # 10 s warm-up). TREE [this repository]: the tree the server runs from (another revision's copy).
 # Every server gets `--device cuda --port 8000 --synthetic-frames-per-token 3.5 --max-sessions 600` before its own
-# flags. Reports, JSON, server logs, the GPU's peak memory and the engine's time series (`metrics_trace.py`, 0.25 s)
-# to $OUT; with TTS_ARCHIVES=1, tts_bench's per-request records too (`run.sh`'s archive).
+# flags. Reports, JSON, server logs, the GPU's peak memory, the engine's time series (`metrics_trace.py`, 0.25 s) and
+# the server's /metrics at the end to $OUT; with TTS_ARCHIVES=1, tts_bench's per-request records too (`run.sh`'s archive).
 set -uo pipefail
 if [ $# -lt 2 ]; then
     sed -n '2,12p' "$0" >&2
@@ -58,6 +58,8 @@ for configuration in "$@"; do
         echo "== $name, $sessions sessions, $kind ($tree $flags): $(cat "$OUT/ws-$sessions-$kind-$name.json")"
     done
     kill $sampler $tracer
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
+        > "$OUT/metrics-$name.txt" 2>&1
     echo "== $name: GPU memory used, peak $(sort -n "$OUT/gpu-memory-$name.txt" | tail -1) MiB"
     kill -INT $server
     wait $server
