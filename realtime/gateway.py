@@ -29,6 +29,7 @@ from engine.serving.heap import freeze_long_lived, thaw
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
 from realtime.audio.encoder_pool import EncoderPool
+from realtime.audio.ffmpeg import use_one_thread
 from realtime.lexicon import Lexicon, LexiconStore
 from realtime.lexicons_http import HTTP_RULES_RATE
 from realtime.llm import LLMConfig
@@ -205,6 +206,7 @@ class Gateway:
             log.info("loading the model from %s on %s", self.options.model or "the embedded tiny model",
                      self.options.device)
             await self.encoders.start()
+            use_one_thread()  # FFmpeg's graphs and codecs (realtime/audio/ffmpeg.py)
             self.tts, self.voices, self.library = await asyncio.to_thread(self._load)
             log.info("model %s (%s) loaded in %.1f s; building the engine", self.model_name,
                      self.voices.variant, time.perf_counter() - started)

@@ -391,26 +391,36 @@ def test_the_bystander_stream_was_not_disturbed(server, bystander):
     assert result["status"] == status == 200 and len(result["body"]) == len(alone) > 0
 
 
-@pytest.mark.parametrize("response_format", ["flac", "mp3"])
-def test_whole_bodies_cut_short_free_their_codecs_at_once(server, response_format):
-    """A whole-body request whose client leaves before the file is made: its codec and muxer (FFmpeg's threads and
-    buffers) are freed at once, not when a garbage collection finds them (the collector is off here to tell)."""
+@pytest.mark.parametrize("response_format, stream, speed", [
+    ("flac", False, 1.0), ("mp3", False, 1.0), ("mp3", True, 1.0), ("aac", True, 1.0), ("pcm", True, 0.5)])
+def test_bodies_cut_short_free_their_codecs_at_once(server, response_format, stream, speed):
+    """A request whose client leaves before its body is made (whole) or sent (streamed, after its first bytes): its
+    codec, muxer and tempo filter (FFmpeg's threads and buffers) are freed at once, not when a garbage collection
+    finds them (the collector is off here to tell). Streamed bodies kept two threads each until a full collection:
+    FFmpeg sized each graph's thread pool by the CPUs (realtime/audio/ffmpeg.py)."""
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
 
-    body = json.dumps({"model": "tts-1", "voice": "vivian", "input": "Hello world. " * 20,
-                       "response_format": response_format, "stream": False}).encode()
+    fields = {"model": "tts-1", "voice": "vivian", "input": "Hello world. " * 20, "response_format": response_format,
+              "stream": stream, "speed": speed}
+    body = json.dumps(fields).encode()
     request = urllib.request.Request(server.http + "/v1/audio/speech", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as whole:  # one made to the end: the worker threads exist
-        assert whole.status == 200
+        assert whole.status == 200 and whole.read()
     gc.collect()
     gc.disable()
     try:
         before = threads()
         for _ in range(4):
-            with pytest.raises((TimeoutError, urllib.error.URLError)):
-                urllib.request.urlopen(request, timeout=0.5)
+            if stream:
+                with socket.create_connection(("127.0.0.1", int(server.http.rsplit(":", 1)[1]))) as client:
+                    client.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                    assert client.recv(100)  # the status line and the first bytes, then it leaves
+            else:
+                with pytest.raises((TimeoutError, urllib.error.URLError)):
+                    urllib.request.urlopen(request, timeout=0.5)
         deadline = time.monotonic() + 20
         while threads() > before + 1:
             assert time.monotonic() < deadline, (before, threads())

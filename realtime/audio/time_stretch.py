@@ -117,6 +117,7 @@ def atempo_factors(speed: float) -> list[float]:
 
 def _atempo_graph(speed: float, sample_rate: int) -> av.filter.Graph:
     graph = av.filter.Graph()
+    graph.threads = 1  # a few ms of work a chunk: no thread pool (realtime/audio/ffmpeg.py)
     chain = [graph.add_abuffer(format="flt", sample_rate=sample_rate, layout="mono", time_base=f"1/{sample_rate}")]
     chain += [graph.add("atempo", repr(factor)) for factor in atempo_factors(speed)]
     chain.append(graph.add("abuffersink"))
