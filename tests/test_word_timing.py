@@ -78,3 +78,16 @@ def test_words_never_overlap_across_utterances(utterances):
         audio_end_s += made_s
         words += timeline.add(index, text, final=True, audio_end_s=audio_end_s)
     assert all(a.end_s <= b.start_s for a, b in pairwise(words)), [(w.start_s, w.end_s) for w in words]
+
+
+def test_words_are_the_words_the_model_is_given():
+    """The engine's clean-up decides what is said: list markers at a line's start and emoji say nothing, a URL is
+    its host name (and lasts as long as that), a link its text. A hostile try found the raw forms timed: the whole
+    URL for 2.6 s, the markers as words."""
+    text = "1. First item 😀\n2) Second https://www.example.com/a/very/long/path?query=1&x=2 done. [see docs](https://x.io/y)"
+    words = WordTimeline().add(0, text, final=True, audio_end_s=0.0)
+    assert [w.text for w in words] == ["First", "item", "Second", "example.com", "done.", "see", "docs"]
+    host = words[3]
+    assert host.end_s - host.start_s == pytest.approx(nominal_duration_s("example.com"))
+    assert [w.text for w in WordTimeline().add(0, "Call 1. then 2) now", final=True, audio_end_s=0.0)] == [
+        "Call", "1.", "then", "2", "now"]  # markers only where they start a line (parentheses at edges go)

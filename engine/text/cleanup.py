@@ -91,17 +91,27 @@ class StreamingCleanup:
                 continue
             if part.isspace():
                 if "\n" in part:
-                    self._line_start = True
+                    self.line_break()
                     out.append(part)
                 elif not self._dropped:
                     out.append(part)
                 continue
-            cleaned = clean_word(part, self._line_start)
-            marker = self._line_start and _LINE_MARKER.fullmatch(part) is not None
-            self._line_start = self._line_start and not cleaned and not marker  # one marker per line
+            cleaned = self.word(part)
             self._dropped = not cleaned
             out.append(cleaned)
         return "".join(out)
+
+    def word(self, word: str) -> str:
+        """One word (no whitespace in it) as it is spoken, given the words before it on its line (a list marker is
+        dropped only where it starts its line; one marker a line)."""
+        cleaned = clean_word(word, self._line_start)
+        marker = self._line_start and _LINE_MARKER.fullmatch(word) is not None
+        self._line_start = self._line_start and not cleaned and not marker
+        return cleaned
+
+    def line_break(self) -> None:
+        """The next word starts a line."""
+        self._line_start = True
 
 
 def clean_text(text: str) -> str:

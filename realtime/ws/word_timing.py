@@ -1,15 +1,19 @@
 """Estimated word times of a context: the `timestamps` events (`timestamps: "word"`) and the `heard_text` of a
 cancel with `played_ms`.
 
-The model gives no alignment, so times are estimates (`estimated: true`): each word lasts a nominal time for its
-length and starts no earlier than the audio already made when its text reached the engine, nor before the words
-before it have ended (an utterance's estimate may run past its audio: the next one's words follow them). Words are
-timed as soon as their text goes to the engine, so their event always goes out before the audio they describe.
+The model gives no alignment, so times are estimates (`estimated: true`): each word is the word as the model is
+given it (the engine's clean-up: a list marker or an emoji says nothing, a URL is its host name, a link its text),
+lasts a nominal time for that word's length and starts no earlier than the audio already made when its text reached
+the engine, nor before the words before it have ended (an utterance's estimate may run past its audio: the next
+one's words follow them). Words are timed as soon as their text goes to the engine, so their event always goes out
+before the audio they describe.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from engine.text.cleanup import StreamingCleanup
 
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 # a CJK character is a word of its own, with the punctuation right after it ("好。"); elsewhere a word is a run of
@@ -46,6 +50,7 @@ class WordTimeline:
         self._untimed_from = 0  # offset of the first character not yet split into words
         self._utterance = -1
         self._cursor_s = 0.0  # where the next word of the current utterance may start
+        self._spoken = StreamingCleanup()  # each word as the engine's clean-up gives it to the model
 
     def add(self, utterance: int, text: str, final: bool, audio_end_s: float) -> list[Word]:
         """Text that went to the engine for `utterance` while the context's audio reached `audio_end_s`; returns the
@@ -58,8 +63,10 @@ class WordTimeline:
         for token in _TOKEN.finditer(self.text, self._untimed_from):
             if token.end() == len(self.text) and not final:  # the next character may still belong to it
                 break
+            if "\n" in self.text[self._untimed_from:token.start()]:
+                self._spoken.line_break()
             self._untimed_from = token.end()
-            word = token.group().strip(_MARKUP)
+            word = self._spoken.word(token.group()).strip(_MARKUP)
             if _SPOKEN.search(word):
                 start = max(self._cursor_s, audio_end_s)
                 end = start + nominal_duration_s(word)
