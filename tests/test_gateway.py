@@ -840,3 +840,22 @@ def test_cancelled_and_abandoned_contexts_free_their_encoders(server):
         return sum(worker.streams for worker in workers)
 
     assert run(go()) == 0
+
+
+def test_voice_fields_on_a_later_append_are_ignored_with_a_warning_and_its_text_kept(server):
+    """A context's voice, instructions, language and lexicon come from its first text.append (PROTOCOL.md); a later
+    append that carries them gets a warning naming them, and its text is spoken all the same."""
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="a", text="Hello there.", voice="vivian")
+        await conn.send(type="text.append", context_id="a", text=" And more.", voice="nobody", language="zz")
+        await conn.send(type="text.append", context_id="a", text=" Still.")  # no voice fields: no warning
+        await conn.send(type="context.end", context_id="a")
+        events = await conn.until(done_of("a"))
+        warnings = [e for e in events if e["type"] == "warning"]
+        assert len(warnings) == 1 and warnings[0]["code"] == "invalid_message", warnings
+        assert warnings[0]["context_id"] == "a" and "voice, language ignored" in warnings[0]["message"]
+        assert not [e for e in events if e["type"] == "error"]
+        assert events[-1]["type"] == "context.done"
+        await conn.ws.close()
+    run(go())
