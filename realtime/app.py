@@ -209,6 +209,10 @@ def create_app(gateway: Gateway) -> Starlette:
 CORS_METHODS = ["GET", "POST", "DELETE"]
 CORS_HEADERS = ["Authorization", "Content-Type"]
 CORS_EXPOSED = ["X-Sample-Rate", "X-Audio-Samples", "Location"]  # (Content-Type and -Length are always readable)
+# what OpenAI's SDKs send besides (their generator's telemetry and OpenAI's own): a page calling the speech endpoint
+# through the official JS SDK asks for them, and its preflight was refused
+SDK_HEADER_PREFIX = "x-stainless-"
+SDK_HEADERS = frozenset({"openai-organization", "openai-project", "openai-beta"})
 
 
 class _Cors(CORSMiddleware):
@@ -216,8 +220,17 @@ class _Cors(CORSMiddleware):
     error (starlette answers plain text)."""
 
     def preflight_response(self, request_headers: Headers) -> Response:
+        asked = [name.strip().lower() for name in request_headers.get("access-control-request-headers", "").split(",")]
+        sdk = [name for name in asked if name.startswith(SDK_HEADER_PREFIX) or name in SDK_HEADERS]
+        if sdk:  # starlette checks the others; these are allowed by name in the answer
+            rest = ", ".join(name for name in asked if name and name not in sdk)
+            request_headers = Headers(raw=[(key, value) for key, value in request_headers.raw
+                                           if key != b"access-control-request-headers"]
+                                      + ([(b"access-control-request-headers", rest.encode())] if rest else []))
         response = super().preflight_response(request_headers)
         if response.status_code < 400:
+            if sdk:
+                response.headers["access-control-allow-headers"] += ", " + ", ".join(sdk)
             return response
         if not self.is_allowed_origin(origin=request_headers["origin"]):
             failure = HTTPFailure(403, "unauthorized", "this origin is not allowed (--allowed-origin)")

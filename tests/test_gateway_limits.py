@@ -228,7 +228,10 @@ def test_the_http_api_takes_the_origins_the_socket_takes(server, origin, status)
     ("https://app.example", "DELETE", None, 200),
     ("https://evil.example", "POST", "content-type", 403),
     ("https://app.example", "PUT", None, 400),
-    ("https://app.example", "POST", "x-forwarded-for", 400)])
+    ("https://app.example", "POST", "x-forwarded-for", 400),
+    ("https://app.example", "POST", "authorization, content-type, x-stainless-os, x-stainless-retry-count, "
+                                    "openai-organization", 200),  # OpenAI's JS SDK in a page
+    ("https://app.example", "POST", "x-stainless-os, x-forwarded-for", 400)])
 def test_a_listed_origins_page_may_call_the_http_api_through_cors(server, origin, method, headers, status):
     """A page on an origin the allow list names calls the API with its key and a JSON body, which needs a CORS
     preflight: it was a 405, so only the socket served such a page. The preflight is answered for the API's
@@ -241,6 +244,8 @@ def test_a_listed_origins_page_may_call_the_http_api_through_cors(server, origin
     if status == 200:
         assert preflight.headers["access-control-allow-origin"] == origin
         assert method in preflight.headers["access-control-allow-methods"]
+        allowed = {name.strip().lower() for name in preflight.headers["access-control-allow-headers"].split(",")}
+        assert {name.strip() for name in (headers or "").split(",") if name.strip()} <= allowed
     else:
         assert preflight.json()["error"]["code"] == ("unauthorized" if status == 403 else "invalid_message")
     if status == 200 and method == "POST":
