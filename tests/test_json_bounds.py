@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from realtime.ws.protocol import MAX_INTEGER_DIGITS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, ProtocolError, load_json
+from realtime.ws.protocol import (MAX_INTEGER_DIGITS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, ProtocolError, load_json,
+                                 parse_message)
 
 PIECES = ["a", "é", "\ud800", "\udbff", "\udc00", "\\", "\\u", "ud800", "1" * 25, " ", "\"", "\u2028", "[" * 40,
           "\ud83d\ude00"]
@@ -94,3 +95,15 @@ def test_many_small_values_cost_little_and_many_containers_are_refused():
         load_json(nested)
     brackets = {"type": "text.append", "context_id": "c", "text": "[" * (MAX_JSON_CONTAINERS + 1)}
     assert load_json(json.dumps(brackets)) == brackets  # brackets in a string are text, however many
+
+
+@pytest.mark.parametrize("text, field", [
+    ('{"type": "ping", "id": 1e309}', "id"),
+    ('{"type": "context.cancel", "context_id": "a", "played_ms": -1e400}', "played_ms"),
+    ('{"type": "text.append", "context_id": "a", "text": "hi", "flush": 1e999}', "flush")])
+def test_a_number_too_large_for_a_double_is_named_out_of_range(text, field):
+    """JSON's 1e309 is a number Python reads as infinity: refused as out of range, naming the field, not as a value
+    of the wrong kind (a hostile try's finding: "must be a string or a number" for a number)."""
+    with pytest.raises(ProtocolError, match=f"field '{field}' is a number out of range") as refused:
+        parse_message(text)
+    assert refused.value.code == "invalid_message"

@@ -321,8 +321,10 @@ def _check_fields(message: dict[str, Any], schemas: dict[str, dict[str, tuple[tu
             if required:
                 raise ProtocolError("invalid_message", f"{kind}: missing field {name!r}", context_id=context_id)
             continue
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types and types is not _ANY) or (
-                _not_finite(value)):
+        if _not_finite(value):  # JSON's 1e309 and beyond: a number Python reads as infinity
+            raise ProtocolError("invalid_message", f"{kind}: field {name!r} is a number out of range (it must be "
+                                                   "finite)", context_id=context_id)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types and types is not _ANY):
             expected = " or ".join(dict.fromkeys(_TYPE_NAMES[t] for t in types))
             raise ProtocolError("invalid_message", f"{kind}: field {name!r} must be {expected}", context_id=context_id)
         if types is not _ANY:
