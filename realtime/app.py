@@ -145,9 +145,12 @@ def create_app(gateway: Gateway) -> Starlette:
         if refusal is not None:
             await _refuse(websocket, gateway, *refusal)
             return
-        fields, errors = query_fields(dict(websocket.query_params))
-        config, config_errors = configure(SessionConfig(), fields, gateway.voices)
-        await Session(websocket, gateway, config, owner=auth.key(websocket)).run(errors + config_errors)
+        steps, errors = query_fields(dict(websocket.query_params))
+        config = SessionConfig()
+        for fields in steps:
+            config, refused = configure(config, fields, gateway.voices)
+            errors += refused
+        await Session(websocket, gateway, config, owner=auth.key(websocket)).run(errors)
 
     async def chat(websocket: WebSocket) -> None:
         await websocket.accept()

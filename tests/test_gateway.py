@@ -158,6 +158,21 @@ def test_a_sample_rate_query_that_is_not_ascii_digits_is_refused(server, rate):
     run(go())
 
 
+def test_query_parameters_apply_each_on_its_own(server):
+    """`?encoding=mulaw&sample_rate=16000`: mu-law is taken (at its own 8 kHz) and only the rate it does not have is
+    refused, as docs/protocol.md says of query parameters (both were refused together: a hostile try's finding)."""
+    async def go():
+        conn = await session(server, "?encoding=mulaw&sample_rate=16000")
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "unsupported_format" and "16000" in error["message"] and not error["fatal"], error
+        assert conn.started["audio"]["encoding"] == "mulaw" and conn.started["audio"]["sample_rate"] == 8000
+        await conn.ws.close()
+        conn = await session(server, "?encoding=opus&sample_rate=48000")  # both good: both apply
+        assert (conn.started["audio"]["encoding"], conn.started["audio"]["sample_rate"]) == ("opus", 48000)
+        await conn.ws.close()
+    run(go())
+
+
 @pytest.mark.parametrize("field, value", [("sample_rate", 24000.5), ("frame_ms", 2.5), ("bitrate", 6000.7)])
 def test_an_audio_field_that_is_a_fraction_is_refused_as_not_whole(server, field, value):
     """An integer field given a fraction is refused saying so, with the value (it is a number, just not a whole

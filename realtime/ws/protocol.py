@@ -533,25 +533,24 @@ def _sampling(current: Sampling, fields: dict[str, Any]) -> Sampling:
     return replace(current, **values)
 
 
-def query_fields(params: dict[str, str]) -> tuple[dict[str, Any], list[ProtocolError]]:
-    """Session defaults from the socket's query string, in session.start's shape, and the errors of bad ones."""
+def query_fields(params: dict[str, str]) -> tuple[list[dict[str, Any]], list[ProtocolError]]:
+    """Session defaults from the socket's query string, in session.start's shape, as steps for `configure` in turn
+    (a rate after its encoding: each parameter is applied on its own, so `?encoding=mulaw&sample_rate=16000` keeps
+    mu-law at its own rate and refuses the rate alone), and the errors of bad ones."""
     fields: dict[str, Any] = {k: params[k] for k in ("voice", "language", "preset") if k in params}
-    audio: dict[str, Any] = {}
-    errors = []
+    steps, errors = [fields], []
     if "encoding" in params:
-        audio["encoding"] = params["encoding"]
+        fields["audio"] = {"encoding": params["encoding"]}
     if "sample_rate" in params:
         rate = params["sample_rate"]
         # ASCII digits only: int() also takes "16_000", "+16000", spaces and other scripts' digits
         if rate.isascii() and rate.isdigit() and len(rate) <= MAX_INTEGER_DIGITS:
-            audio["sample_rate"] = int(rate)
+            steps.append({"audio": {"sample_rate": int(rate)}})
         else:
             shown = repr(rate[:20]) + (f" ({len(rate)} characters)" if len(rate) > 20 else "")
             errors.append(ProtocolError("invalid_config", f"sample_rate must be a whole number of Hz in ASCII digits, "
                                                           f"not {shown}"))
-    if audio:
-        fields["audio"] = audio
-    return fields, errors
+    return steps, errors
 
 
 class SessionLimits(Protocol):
