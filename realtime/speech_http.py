@@ -106,12 +106,13 @@ def parse_speech_request(body: dict[str, Any], gateway: Gateway) -> SpeechReques
     _check_model(body.get("model"), gateway)
     voice = _voice(body)
     speed = _speed(body)
-    response_format = body.get("response_format") or "wav"
+    # absent or null: the default; "" is a value, and not a format (it was read as absent)
+    response_format = "wav" if body.get("response_format") is None else body["response_format"]
     if response_format not in HTTP_FORMATS or not format_available(response_format):
         offered = [name for name in HTTP_FORMATS if format_available(name)]
         raise HTTPFailure(400, "unsupported_format", f"response_format {response_format[:32]!r} is not available; "
                                                      f"use one of: {', '.join(offered)}")
-    stream_format = body.get("stream_format") or "audio"
+    stream_format = "audio" if body.get("stream_format") is None else body["stream_format"]
     if stream_format not in ("audio", "sse"):
         raise _bad("stream_format must be \"audio\" or \"sse\"")
     seed = body.get("seed")

@@ -188,6 +188,8 @@ def test_http_and_socket_traffic_move_their_own_series(server, client):
 
 @pytest.mark.parametrize("body, status, code", [
     ({"input": "Hi.", "response_format": "ogg"}, 400, "unsupported_format"),
+    ({"input": "Hi.", "response_format": ""}, 400, "unsupported_format"),  # a value, not an absent field
+    ({"input": "Hi.", "stream_format": ""}, 400, "invalid_message"),
     ({"input": "   "}, 400, "empty_text"),
     ({"input": "Hi.", "stream_format": "sse", "stream": False}, 400, "invalid_message"),
     ({"input": "Hi.", "voice": "nobody"}, 400, "unknown_voice"),
