@@ -258,15 +258,23 @@ def _redact_parameter(match: re.Match[str]) -> str:
     return match[0]
 
 
+MAX_LOGGED_ARGUMENT = 1000  # characters of one logged value (a request's path and query): a 70 KB query was one line
+
+
+def bounded(text: str) -> str:
+    """`text`, cut to MAX_LOGGED_ARGUMENT characters, saying how long it was."""
+    return text if len(text) <= MAX_LOGGED_ARGUMENT else f"{text[:MAX_LOGGED_ARGUMENT]}... ({len(text)} characters)"
+
+
 class RedactSecrets(logging.Filter):
-    """Rewrites a record's message and string arguments in place (uvicorn's access formatter reads the arguments one
-    by one, so they stay a tuple of the same length)."""
+    """Rewrites a record's message and string arguments in place, redacted and bounded (uvicorn's access formatter
+    reads the arguments one by one, so they stay a tuple of the same length)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str):
             record.msg = redact(record.msg)
         if isinstance(record.args, tuple):
-            record.args = tuple(redact(arg) if isinstance(arg, str) else arg for arg in record.args)
+            record.args = tuple(bounded(redact(arg)) if isinstance(arg, str) else arg for arg in record.args)
         return True
 
 

@@ -359,6 +359,7 @@ def served_log(tmp_path_factory) -> dict:
         for key in ("env-key-a81c44", KEY, "file-key-51d0e2", None, "wrong-key-0c9b7d"):
             results[key] = http_status(base + "/v1/voices", key)
         results["query"] = http_status(base + f"/v1/voices?token={KEY}")
+        results["long"] = http_status(base + "/v1/voices?q=" + "a" * 9000, KEY)
         results["events"] = asyncio.run(speak_with_query_token(port))
     finally:
         server.send_signal(signal.SIGINT)
@@ -403,6 +404,8 @@ def test_no_log_line_holds_a_key_or_the_users_text(served_log):
     for secret in (KEY, "env-key-a81c44", "file-key-51d0e2", "wrong-key-0c9b7d", TEXT, "Zebulon"):
         assert secret not in log
     assert "Traceback" not in log and "DeprecationWarning" not in log
+    assert served_log["long"] == 200 and "(9013 characters)" in log  # a long query logged cut, saying how long
+    assert max(len(line) for line in log.splitlines()) < 1500
 
 
 def test_serve_on_a_busy_port_fails_at_once_with_one_line():
