@@ -176,6 +176,21 @@ def test_messages_past_the_rate_are_dropped_with_rate_limited(server):
     asyncio.run(go())
 
 
+def test_binary_frames_count_against_the_same_budget(server):
+    """A binary frame from the client is refused (invalid_message) within the message budget, as text is: a flood of
+    them is rate_limited rather than answered one by one (a hostile try's finding: they skipped the budget)."""
+    async def go():
+        async with connect(server.ws) as ws:
+            await ws.recv()
+            for _ in range(60):  # a burst of 60 against 20/s with bursts of 40
+                await ws.send(b"\x00\x01\x02")
+            answers = [json.loads(await asyncio.wait_for(ws.recv(), 10)) for _ in range(60)]
+            codes = [a["code"] for a in answers]
+            assert 15 <= codes.count("rate_limited") <= 25, codes
+            assert codes.count("invalid_message") == 60 - codes.count("rate_limited")
+    asyncio.run(go())
+
+
 def test_a_dropped_message_is_named_in_its_error_and_text_has_a_byte_budget(server):
     """A hostile try: 450 appends and a context.end past the rate got errors naming none of them, so the client could
     not tell that its context.end was dropped. A small dropped message's error carries its event_id and context_id.

@@ -33,10 +33,11 @@ class MessageBudget:
         self.messages = RateLimiter(message_rate)
         self.text = RateLimiter(2 * max_message_bytes)
 
-    def refusal(self, text: str) -> ProtocolError | None:
-        """The `rate_limited` error of a message past the budget (it is dropped unparsed), or None."""
+    def refusal(self, text: str, size: int | None = None) -> ProtocolError | None:
+        """The `rate_limited` error of a message past the budget (it is dropped unparsed), or None. A binary frame
+        counts as a message of `size` bytes with no text."""
         if not self.messages.allow():
             return dropped(text, f"more than {self.messages.rate:g} messages per second")
-        if not self.text.allow(len(text)):
+        if not self.text.allow(len(text) if size is None else size):
             return dropped(text, f"more than {self.text.rate / 1024:g} KiB of messages per second")
         return None

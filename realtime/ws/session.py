@@ -103,8 +103,9 @@ class Session:
             if message["type"] == "websocket.disconnect":
                 return
             self._last_activity = time.monotonic()
-            if message.get("bytes") is not None:
-                self._error(ProtocolError("invalid_message", "binary frames carry audio only; send JSON text frames"))
+            if message.get("bytes") is not None:  # within the same budget as text: a flood gets rate_limited
+                self._error(self._budget.refusal("", len(message["bytes"])) or ProtocolError(
+                    "invalid_message", "binary frames carry audio only; send JSON text frames"))
             elif message.get("text") is not None:
                 await self._handle_text(message["text"])
             # messages already buffered would be handled back to back: the loop's other sockets get a turn between
