@@ -80,8 +80,9 @@ class ChatSocket:
                     return
                 if message.get("text") is not None:
                     await self._handle(message["text"])
-                else:
-                    await self._error(ProtocolError("invalid_message", "send JSON text frames"))
+                else:  # within the same budget as text, as on the voxgate.v1 socket
+                    await self._error(self._budget.refusal("", len(message.get("bytes") or b"")) or ProtocolError(
+                        "invalid_message", "send JSON text frames"))
         finally:
             await self._stop_turn(disconnected=True)
             if self._llm_client is not None:
