@@ -559,20 +559,27 @@ def decoder_flops_per_frame(tts: TTSModel) -> float:
 
 def decoder_agreement(tts: TTSModel, generator: torch.Generator) -> dict:
     """The decoder's audio for 12 random frames on the device (its fast path on a GPU: fused SnakeBeta, channels-minor
-    convolutions), in the model dtype and in fp32, against the fp32 decode on the CPU by the plain path (the
-    reference arithmetic)."""
+    convolutions, the transformer's kernels), in the model dtype and in fp32, and 100 frames streamed in fp32 in
+    4-frame chunks, against the fp32 decode on the CPU by the plain path (the reference arithmetic)."""
     cfg = tts.decoder.cfg
     codes = torch.randint(0, cfg.codebook_size, (2, 12, cfg.num_quantizers), generator=generator)
     reference = copy.deepcopy(tts.decoder).float().cpu()
     fast = copy.deepcopy(tts.decoder)
     fast.use_fast_path(tts.device.type == "cuda")
+    long_codes = torch.randint(0, cfg.codebook_size, (2, 100, cfg.num_quantizers), generator=generator)
     with torch.inference_mode():
         exact = reference.decode(codes)
         model_dtype = fast.decode(codes.to(tts.device)).float().cpu()
         fp32 = fast.float().decode(codes.to(tts.device)).cpu()
+        # streamed in the engine's 4-frame chunks past the transformer's 72-frame window (its kernel's shifts)
+        state = fast.new_state(2, tts.device, torch.float32)
+        streamed = torch.cat([fast.decode_step(long_codes[:, at:at + 4].to(tts.device), state).cpu()
+                              for at in range(0, 100, 4)], dim=1)
+        long_exact = reference.decode(long_codes)
     scale = exact.abs().max().item()
     kernel = conv_kernel_agreement(tts.device) if tts.device.type == "cuda" else {}
     return kernel | dict(fp32_max_abs_error=(fp32 - exact).abs().max().item(),
+                         fp32_streamed_100_frames_max_abs_error=(streamed - long_exact).abs().max().item(),
                 model_dtype_max_abs_error=(model_dtype - exact).abs().max().item(), audio_peak=scale,
                 model_dtype_snr_db=10 * np.log10((exact ** 2).mean().item() /
                                                  max(((model_dtype - exact) ** 2).mean().item(), 1e-30)))
