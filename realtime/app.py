@@ -87,6 +87,14 @@ def create_app(gateway: Gateway) -> Starlette:
             return JSONResponse(gateway.voices.describe())
         return await _http(request, gateway, auth, handle)
 
+    async def models(request: Request) -> Response:
+        """OpenAI's model list (`client.models.list()`): the served model by each name a request's `model` may use."""
+        async def handle() -> Response:
+            return JSONResponse({"object": "list", "data": [
+                {"id": name, "object": "model", "created": gateway.loaded_at, "owned_by": "voxgate"}
+                for name in gateway.model_names]})
+        return await _http(request, gateway, auth, handle)
+
     async def speech(request: Request) -> Response:
         delivery = Delivery(gateway.metrics.http, gateway.metrics.http_requests, arrived=time.monotonic())
 
@@ -185,7 +193,7 @@ def create_app(gateway: Gateway) -> Starlette:
 
     routes = [
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
-        Route("/v1/voices", voices), Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/voices", voices), Route("/v1/models", models), Route("/v1/audio/speech", speech, methods=["POST"]),
         Route("/v1/audio/voices", library_voices, methods=["GET", "POST"]),
         Route("/v1/audio/voices/{voice_id}", library_voice, methods=["GET", "DELETE"]),
         Route("/v1/lexicons", lexicons, methods=["GET", "POST"]),

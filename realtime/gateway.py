@@ -180,6 +180,7 @@ class Gateway:
         self.shutting_down = False
         self.on_fatal: Callable[[str], None] | None = None  # the gateway failed for good (the server exits)
         self._restarted_at: float | None = None  # when the engine was last restarted
+        self.loaded_at = 0  # Unix time the model was loaded (OpenAI's `created` of GET /v1/models)
         self._tasks: set[asyncio.Task] = set()  # the watchdog, a restart
         self.metrics.sessions_active.set_function(lambda: len(self.sessions))
         self.metrics.engine_requests_active.set_function(lambda: self.engine.active if self.engine else 0)
@@ -208,6 +209,7 @@ class Gateway:
             await self.encoders.start()
             use_one_thread()  # FFmpeg's graphs and codecs (realtime/audio/ffmpeg.py)
             self.tts, self.voices, self.library = await asyncio.to_thread(self._load)
+            self.loaded_at = int(time.time())
             log.info("model %s (%s) loaded in %.1f s; building the engine", self.model_name,
                      self.voices.variant, time.perf_counter() - started)
             await self._start_engine()

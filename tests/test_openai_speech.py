@@ -224,3 +224,17 @@ def test_a_seed_means_the_same_over_http_as_on_the_socket(seed):
     else:
         assert result.seed == config.sampling.seed == seed  # None: as if absent
         assert seed is None or isinstance(result.seed, int)
+
+
+def test_openai_sdk_lists_the_served_model_by_every_name_a_request_may_use(server, client):
+    """`client.models.list()` (GET /v1/models, OpenAI's shape): the served model by its names, each of which a speech
+    request takes; behind the API key like the other routes."""
+    listed = client.models.list()
+    names = [model.id for model in listed.data]
+    assert names == list(server.gateway.model_names) and names
+    assert all(model.object == "model" and model.owned_by == "voxgate" and model.created > 0 for model in listed.data)
+    for name in names:
+        assert client.audio.speech.create(model=name, voice="vivian", input=TEXT, response_format="pcm",
+                                          extra_body=SEED).content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.http + "/v1", api_key="wrong", max_retries=0).models.list()
