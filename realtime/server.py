@@ -5,7 +5,6 @@ hold an API key."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -23,8 +22,8 @@ from realtime.app import WEB_DIR, create_app, drain_sessions
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway, GatewayOptions, check_options
 from realtime.http_transport import GuardedH11Protocol
-from realtime.ws.protocol import ProtocolError as SessionFailure
-from realtime.ws.protocol import error_event
+from realtime.metrics import TransportMetrics
+from realtime.ws import protocol as ws_protocol
 
 # uvicorn's legacy websockets protocol, on purpose: its sans-I/O one (uvicorn 0.54) closes the TCP connection right
 # after the 1009 close frame of an oversized message while the client is still sending, so the client gets a reset
@@ -72,6 +71,8 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
 
     And a ping left unanswered closes the session as a slow consumer (`keepalive_ping`)."""
 
+    errors: TransportMetrics | None = None  # the gateway's socket errors, the keepalive's close counted (`_counting`)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._drain_waiters: deque[asyncio.Future[None]] = deque()
         self._held: list[bytes] = []
@@ -109,7 +110,7 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
         answers none reads nothing."""
         if self.ping_interval is None:
             return
-        with contextlib.suppress(ConnectionClosed):
+        try:
             while True:
                 await asyncio.sleep(self.ping_interval)
                 try:
@@ -118,12 +119,18 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
                 except TimeoutError:
                     self._close_unread()
                     return
+        except ConnectionClosed:
+            pass
+        except Exception:  # as the library does: a failed keepalive is logged, never left in an unawaited task
+            self.logger.error("keepalive ping failed", exc_info=True)
 
     def _close_unread(self) -> None:
-        failure = SessionFailure("slow_consumer", f"the client answered no ping for {self.ping_timeout:g} s: it "
-                                                  "reads nothing; closing", fatal=True)
+        failure = ws_protocol.ProtocolError("slow_consumer", f"the client answered no ping for {self.ping_timeout:g} "
+                                                             "s: it reads nothing; closing", fatal=True)
+        if self.errors is not None:
+            self.errors.error(failure.code)
         if self.state is State.OPEN:  # behind what the client has not read yet, like the close frame
-            self.write_frame_sync(True, Opcode.TEXT, json.dumps(error_event(failure)).encode())
+            self.write_frame_sync(True, Opcode.TEXT, json.dumps(ws_protocol.error_event(failure)).encode())
         self.fail_connection(CloseCode.POLICY_VIOLATION, "slow_consumer")
 
     async def process_request(self, path: str, request_headers: Headers) -> Any:
@@ -318,6 +325,13 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def _counting(gateway: Gateway) -> type[GatewayWebSocketProtocol]:
+    """The protocol class of this gateway's server: its sockets' errors count in the gateway's metrics."""
+    class WebSocketProtocol(GatewayWebSocketProtocol):
+        errors = gateway.metrics.socket
+    return WebSocketProtocol
+
+
 def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8000,
                  log_level: str = "info") -> _Server:
     gateway = Gateway(options)
@@ -329,7 +343,7 @@ def build_server(options: GatewayOptions, host: str = "127.0.0.1", port: int = 8
                                   max_connections=gateway.limits.connection_cap)
 
     config = uvicorn.Config(create_app(gateway), host=host, port=port, log_level=log_level, http=protocol,
-                            ws=GatewayWebSocketProtocol, ws_max_size=limits.max_message_bytes,
+                            ws=_counting(gateway), ws_max_size=limits.max_message_bytes,
                             ws_per_message_deflate=False, ws_ping_interval=PING_INTERVAL_S, ws_ping_timeout=PING_TIMEOUT_S,
                             timeout_graceful_shutdown=10)
     redact_logs()  # after uvicorn.Config, which configures uvicorn's loggers

@@ -86,6 +86,8 @@ def test_a_client_that_answers_no_ping_is_closed_as_a_slow_consumer(monkeypatch)
             errors = [e for e in events if e["type"] == "error"]
             assert close_code == 1008, (close_code, events[-3:])
             assert errors and errors[-1]["code"] == "slow_consumer" and errors[-1]["fatal"], events[-3:]
+            _, exposition = server.get("/metrics")  # counted as every error the server sends
+            assert 'voxgate_errors_total{code="slow_consumer",transport="ws"} 1.0' in exposition.decode()
             await reader.send(json.dumps({"type": "ping", "event_id": 1}))  # the reading client is still served
             assert json.loads(await reader.recv())["type"] == "pong"
             await reader.close()
