@@ -858,13 +858,15 @@ def test_cancelled_and_abandoned_contexts_free_their_encoders(server):
 
 
 def test_voice_fields_on_a_later_append_are_ignored_with_a_warning_and_its_text_kept(server):
-    """A context's voice, instructions, language and lexicon come from its first text.append (PROTOCOL.md); a later
-    append that carries them gets a warning naming them, and its text is spoken all the same."""
+    """A context's voice, instructions, language and lexicon come from its first text.append (PROTOCOL.md); the first
+    later append that carries others gets a warning naming them (once a context; the same values repeated say
+    nothing), and its text is spoken all the same."""
     async def go():
         conn = await session(server)
         await conn.send(type="text.append", context_id="a", text="Hello there.", voice="vivian")
+        await conn.send(type="text.append", context_id="a", text=" Again.", voice="vivian")  # the same: nothing said
         await conn.send(type="text.append", context_id="a", text=" And more.", voice="nobody", language="zz")
-        await conn.send(type="text.append", context_id="a", text=" Still.")  # no voice fields: no warning
+        await conn.send(type="text.append", context_id="a", text=" Still.", voice="other")  # once a context
         await conn.send(type="context.end", context_id="a")
         events = await conn.until(done_of("a"))
         warnings = [e for e in events if e["type"] == "warning"]

@@ -43,6 +43,8 @@ class SessionContext:
         self.refused_event_id: Any = None  # the message whose text ended the context early, echoed on its error
         self.text_event_id: Any = None  # the last message that gave it text (a refusal the text pause released)
         self.cancelled = False
+        self.opened_with: dict[str, Any] = {}  # the first append's voice fields (CONTEXT_FIELDS)
+        self.told_fields_ignored = False  # a later append's other voice fields were warned about (once)
         self.words = WordTimeline()
         self.timestamps = timestamps
         self._waiting_ms = 0.0  # synthesized audio not yet encoded (the client reads too slowly)

@@ -89,6 +89,8 @@ def error_event(failure: ProtocolError, event_id: Any = None) -> dict[str, Any]:
 
 # --- client messages ---------------------------------------------------------------------------------------------
 
+CONTEXT_FIELDS = ("voice", "instructions", "language", "lexicon")  # a text.append's, read on a context's first only
+
 _STR, _BOOL, _OBJ = (str,), (bool,), (dict,)
 _NUMBER = (int, float)
 _ANY = (object,)

@@ -12,7 +12,7 @@ from realtime.ws.backpressure import SlowConsumerPolicy
 from realtime.ws.contexts import SessionContext
 from realtime.ws.framing import AudioFramer
 from realtime.ws.outbox import Outbox
-from realtime.ws.protocol import ProtocolError, event
+from realtime.ws.protocol import CONTEXT_FIELDS, ProtocolError, event
 from realtime.ws.settings import SessionSettings
 
 MAX_CLOSED_IDS = 10000
@@ -85,6 +85,7 @@ class ContextRegistry:
         speech = self.gateway.speech_context(template, config.buffering, config.max_buffer_delay_ms, lexicon)
         context = SessionContext(context_id, speech, framer, self.outbox, self.gateway.metrics, self.slow,
                                  self._finished, timestamps=config.timestamps == "word")
+        context.opened_with = {name: message.get(name) for name in CONTEXT_FIELDS}
         self.open[context_id] = context
         self.gateway.metrics.contexts_active.inc()
         self.outbox.put_event(event("context.started", context_id=context_id, stream_id=framer.stream_id,

@@ -23,6 +23,7 @@ from realtime.ws.protocol import (
     CLOSE_IDLE,
     CLOSE_NORMAL,
     CLOSE_POLICY,
+    CONTEXT_FIELDS,
     ProtocolError,
     SessionConfig,
     check_message,
@@ -279,12 +280,9 @@ class Session:
         context_id, text = message["context_id"], message["text"]
         if len(text) > self.limits.max_text_chars:  # before the context opens: a refused first append creates none
             self._too_long(context_id)
-        opening = context_id not in self.contexts.open
         context = self.contexts.find_or_open(context_id, message)
         self.settings.text_started = True  # a first append refused above changes nothing, session.start included
         self._refuse_if_ended(context)
-        if not opening:
-            self._warn_ignored(message)
         if context.text_chars + len(text) > self.limits.max_text_chars:
             self._too_long(context_id)
         if message.get("flush"):  # before the append: a refusal this append causes is its own answer
@@ -292,14 +290,18 @@ class Session:
         context.append(text, message.get("event_id"))
         if message.get("flush"):
             context.flush(message.get("event_id"))
+        self._warn_ignored(context, message)
 
-    def _warn_ignored(self, message: dict[str, Any]) -> None:
-        """A later append's voice fields change nothing (PROTOCOL.md: they belong to the first); its text is kept,
-        and the client hears why its voice did not change."""
-        ignored = [name for name in CONTEXT_OPENING_FIELDS if message.get(name) is not None]
-        if ignored:
+    def _warn_ignored(self, context: SessionContext, message: dict[str, Any]) -> None:
+        """A later append's voice fields change nothing (PROTOCOL.md: they belong to the first): once a context, the
+        first that differ from the first append's get a warning (the text was appended). The same values repeated on
+        every append, as some clients send them, say nothing."""
+        ignored = [name for name in CONTEXT_FIELDS
+                   if message.get(name) is not None and message[name] != context.opened_with.get(name)]
+        if ignored and not context.told_fields_ignored:
+            context.told_fields_ignored = True
             self.outbox.put_event(event(
-                "warning", code="invalid_message", context_id=message["context_id"],
+                "warning", code="invalid_message", context_id=context.context_id,
                 message=f"{', '.join(ignored)} ignored: a context takes them from its first text.append only; its "
                         "text was appended"))
 
@@ -389,7 +391,6 @@ class Session:
 
 
 # what a session still takes once a graceful close began: stopping what it is finishing (barge-in, abort)
-CONTEXT_OPENING_FIELDS = ("voice", "instructions", "language", "lexicon")  # a text.append's, read on the first only
 WHILE_CLOSING = frozenset({"context.cancel", "session.close", "keepalive", "ping"})
 # message type -> its handler (protocol.MESSAGES lists the same types)
 HANDLERS: dict[str, Callable[[Session, dict[str, Any]], None]] = {
