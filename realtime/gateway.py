@@ -25,7 +25,7 @@ from engine.prompt import Voice
 from engine.request import Finished, SynthesisRequest, SyntheticLength, check_frames_per_token
 from engine.sampling import SamplingParams
 from engine.serving.async_engine import AsyncEngine
-from engine.serving.heap import freeze_long_lived, thaw
+from engine.serving.heap import SERVING_THRESHOLDS, freeze_long_lived, thaw
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
 from realtime.audio.encoder_pool import EncoderPool
@@ -216,7 +216,7 @@ class Gateway:
             self.state = "warming up"
             log.info("warming up")
             await self._warm_up()
-            freeze_long_lived()
+            freeze_long_lived(SERVING_THRESHOLDS)
             self.metrics.collections.watch()
             self.state = "ready"
             log.info("ready in %.1f s", time.perf_counter() - started)
@@ -358,7 +358,7 @@ class Gateway:
             thaw()  # the failed engine's objects can go
             await asyncio.wait_for(self._start_engine(), RESTART_TIMEOUT_S)
             await asyncio.wait_for(self._warm_up(), RESTART_TIMEOUT_S)
-            freeze_long_lived()
+            freeze_long_lived(SERVING_THRESHOLDS)
         except Exception as failure:
             self._fatal(f"the engine failed ({error}) and so did its restart: {type(failure).__name__}: {failure}")
             return
