@@ -91,3 +91,14 @@ def test_words_are_the_words_the_model_is_given():
     assert host.end_s - host.start_s == pytest.approx(nominal_duration_s("example.com"))
     assert [w.text for w in WordTimeline().add(0, "Call 1. then 2) now", final=True, audio_end_s=0.0)] == [
         "Call", "1.", "then", "2", "now"]  # markers only where they start a line (parentheses at edges go)
+
+
+def test_each_utterance_is_cleaned_from_a_lines_start_as_the_engine_cleans_it_and_raw_text_stays_raw():
+    """The engine cleans each utterance (one request) from a line's start: a marker that opens an utterance mid-line
+    is dropped there, so it is not timed. With the gateway's clean-up off, the words are the raw tokens."""
+    timeline = WordTimeline()
+    first = timeline.add(0, "Intro. ", final=True, audio_end_s=0.0)
+    second = timeline.add(1, "1. item one", final=True, audio_end_s=1.0)
+    assert [w.text for w in first + second] == ["Intro.", "item", "one"]
+    raw = WordTimeline(clean_text=False).add(0, "1. See https://www.example.com/x now", final=True, audio_end_s=0.0)
+    assert [w.text for w in raw] == ["1.", "See", "https://www.example.com/x", "now"]

@@ -31,7 +31,7 @@ log = logging.getLogger("voxgate")
 class SessionContext:
     def __init__(self, context_id: str, speech: SpeechContext, framer: AudioFramer, outbox: Outbox,
                  metrics: Metrics, slow: SlowConsumerPolicy, on_finished: Callable[["SessionContext"], None],
-                 timestamps: bool = False) -> None:
+                 timestamps: bool = False, clean_text: bool = True) -> None:
         self.context_id, self.stream_id = context_id, framer.stream_id
         self.speech, self.framer = speech, framer
         self.outbox, self.metrics, self.slow = outbox, metrics, slow
@@ -45,7 +45,7 @@ class SessionContext:
         self.cancelled = False
         self.opened_with: dict[str, Any] = {}  # the first append's voice fields (CONTEXT_FIELDS)
         self.told_fields_ignored = False  # a later append's other voice fields were warned about (once)
-        self.words = WordTimeline()
+        self.words = WordTimeline(clean_text)
         self.timestamps = timestamps
         self._waiting_ms = 0.0  # synthesized audio not yet encoded (the client reads too slowly)
         self._model_samples = 0  # synthesized samples taken in order (those waiting for a slow client included)

@@ -84,7 +84,8 @@ class ContextRegistry:
             raise ProtocolError("overloaded", str(failure), context_id=context_id) from None
         speech = self.gateway.speech_context(template, config.buffering, config.max_buffer_delay_ms, lexicon)
         context = SessionContext(context_id, speech, framer, self.outbox, self.gateway.metrics, self.slow,
-                                 self._finished, timestamps=config.timestamps == "word")
+                                 self._finished, timestamps=config.timestamps == "word",
+                                 clean_text=self.gateway.options.clean_text)
         context.opened_with = {name: message.get(name) for name in CONTEXT_FIELDS}
         self.open[context_id] = context
         self.gateway.metrics.contexts_active.inc()

@@ -17,7 +17,7 @@ from engine.text.cleanup import StreamingCleanup
 
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 # a CJK character is a word of its own, with the punctuation right after it ("好。"); elsewhere a word is a run of
-# non-space characters: either way a word keeps the punctuation after it (a client rebuilding the text loses none)
+# non-space characters: either way a word keeps the punctuation after it
 _TOKEN = re.compile(f"[{_CJK}][^\\w\\s{_CJK}]*|[^\\s{_CJK}]+")
 _SPOKEN = re.compile(r"\w")
 _MARKUP = "*_#`~>|[](){}\"'"  # stripped from a word's edges (not read out)
@@ -44,7 +44,9 @@ def nominal_duration_s(word: str) -> float:
 
 
 class WordTimeline:
-    def __init__(self) -> None:
+    def __init__(self, clean_text: bool = True) -> None:
+        """`clean_text`: the engine cleans the text it is given (GatewayOptions.clean_text), so words are cleaned."""
+        self.clean_text = clean_text
         self.text = ""  # the context's text that went to the engine
         self.words: list[Word] = []
         self._untimed_from = 0  # offset of the first character not yet split into words
@@ -58,6 +60,7 @@ class WordTimeline:
         if utterance != self._utterance:  # where its audio starts, but never inside the words already sent
             self._utterance = utterance
             self._cursor_s = max(self._cursor_s, audio_end_s)
+            self._spoken = StreamingCleanup()  # each utterance is an engine request, cleaned from a line's start
         self.text += text
         timed = []
         for token in _TOKEN.finditer(self.text, self._untimed_from):
@@ -66,7 +69,7 @@ class WordTimeline:
             if "\n" in self.text[self._untimed_from:token.start()]:
                 self._spoken.line_break()
             self._untimed_from = token.end()
-            word = self._spoken.word(token.group()).strip(_MARKUP)
+            word = (self._spoken.word(token.group()) if self.clean_text else token.group()).strip(_MARKUP)
             if _SPOKEN.search(word):
                 start = max(self._cursor_s, audio_end_s)
                 end = start + nominal_duration_s(word)
