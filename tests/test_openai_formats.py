@@ -396,10 +396,11 @@ def test_the_bystander_stream_was_not_disturbed(server, bystander):
 @pytest.mark.parametrize("response_format, stream, speed", [
     ("flac", False, 1.0), ("mp3", False, 1.0), ("mp3", True, 1.0), ("aac", True, 1.0), ("pcm", True, 0.5)])
 def test_bodies_cut_short_free_their_codecs_at_once(server, response_format, stream, speed):
-    """A request whose client leaves before its body is made (whole) or sent (streamed, after its first bytes): its
-    codec, muxer and tempo filter (FFmpeg's threads and buffers) are freed at once, not when a garbage collection
-    finds them (the collector is off here to tell). Streamed bodies kept two threads each until a full collection:
-    FFmpeg sized each graph's thread pool by the CPUs (realtime/audio/ffmpeg.py)."""
+    """A request whose client leaves before its body is made (whole) or sent (streamed, after its first bytes)
+    leaves no FFmpeg threads behind (the collector is off here, as it would be for a while on a busy server). Its
+    codec, muxer and tempo filter sit in reference cycles until a collection: they ran a thread pool each, sized by
+    the CPUs, and a streamed body kept two threads here until a full collection; now FFmpeg counts one CPU
+    (realtime/audio/ffmpeg.py). What they hold until a collection is bounded in test_heap.py."""
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
 

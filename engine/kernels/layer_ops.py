@@ -47,6 +47,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     rounded as the reference's `x + f(x)`; returns RMSNorm(residual). Both [N, H] contiguous."""
     rows, size = residual.shape
     assert residual.is_contiguous() and (delta is None or delta.is_contiguous())
+    assert scale is None or delta is not None, "a scale applies to a delta"
     normed = torch.empty_like(residual)
     pdl = dependent_launch(residual.device)
     _add_rms_norm_kernel[(rows,)](residual, residual if delta is None else delta, weight if scale is None else scale,

@@ -10,7 +10,6 @@ The gateway spreads responses over its own worker threads already, so FFmpeg is 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 from pathlib import Path
 
@@ -19,16 +18,15 @@ import av  # noqa: F401  (loads PyAV's libavutil, the copy whose CPU count is se
 log = logging.getLogger("voxgate")
 
 
-def use_one_thread() -> bool:
-    """Make FFmpeg count one CPU (`av_cpu_force_count`) in the libavutil this process loaded; False, with a
-    warning, where it cannot be found."""
-    path = _loaded("libavutil") or ctypes.util.find_library("avutil")
+def use_one_thread() -> None:
+    """Make FFmpeg count one CPU (`av_cpu_force_count`) in the libavutil this process loaded (PyAV's own copy: another
+    one found on the system would not be the one its graphs ask); a warning where it is not found."""
+    path = _loaded("libavutil")
     if path is None:
-        log.warning("libavutil not found: FFmpeg keeps a thread pool per graph and codec")
-        return False
-    library = ctypes.CDLL(path)
-    library.av_cpu_force_count(ctypes.c_int(1))
-    return library.av_cpu_count() == 1
+        log.warning("PyAV's libavutil not found among the loaded libraries: FFmpeg keeps a thread pool per graph and "
+                    "codec")
+        return
+    ctypes.CDLL(path).av_cpu_force_count(ctypes.c_int(1))
 
 
 def _loaded(name: str) -> str | None:
