@@ -13,8 +13,8 @@ the generations quickly enough to set off full collections, each walking every l
 loop stopped (67-147 ms on the development box for 512 sessions; docs/benchmarks.md, "Garbage collection in a
 session storm"). With 5,000 a storm of 512 sessions sees ~30 young collections of ~1 ms and 2 middle ones, no full
 one. Not higher: cyclic garbage that holds native memory the collector does not count (PyAV's codecs, ~0.3 MB a
-container response) must still be collected within a few dozen requests; at 50,000 a server grew 107 MB over 400
-streamed mp3 requests.
+container response) must still be collected within a few dozen requests; at 50,000 a server grew 117 MB over 400
+streamed mp3 requests (scripts/abandoned_streams.py).
 """
 from __future__ import annotations
 
