@@ -81,7 +81,7 @@ class ChatSocket:
                 if message.get("text") is not None:
                     await self._handle(message["text"])
                 else:  # within the same budget as text, as on the voxgate.v1 socket
-                    await self._error(self._budget.refusal("", len(message.get("bytes") or b"")) or ProtocolError(
+                    await self._error(self._budget.frame_refusal(message.get("bytes") or b"") or ProtocolError(
                         "invalid_message", "send JSON text frames"))
         finally:
             await self._stop_turn(disconnected=True)

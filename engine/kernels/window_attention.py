@@ -15,11 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dependent_launch import dependent_launch, wait_for_inputs
-
-
-@triton.jit
-def _rounded(x, DTYPE: tl.constexpr):
-    return x.to(DTYPE).to(tl.float32)
+from engine.kernels.layer_ops import _rounded
 
 
 @triton.jit

@@ -33,11 +33,17 @@ class MessageBudget:
         self.messages = RateLimiter(message_rate)
         self.text = RateLimiter(2 * max_message_bytes)
 
-    def refusal(self, text: str, size: int | None = None) -> ProtocolError | None:
-        """The `rate_limited` error of a message past the budget (it is dropped unparsed), or None. A binary frame
-        counts as a message of `size` bytes with no text."""
+    def refusal(self, text: str) -> ProtocolError | None:
+        """The `rate_limited` error of a message past the budget (it is dropped unparsed), or None."""
+        return self._refusal(text, len(text))
+
+    def frame_refusal(self, frame: bytes) -> ProtocolError | None:
+        """The same for a binary frame from the client: a message of its size, with no text to name it by."""
+        return self._refusal("", len(frame))
+
+    def _refusal(self, text: str, size: int) -> ProtocolError | None:
         if not self.messages.allow():
             return dropped(text, f"more than {self.messages.rate:g} messages per second")
-        if not self.text.allow(len(text) if size is None else size):
+        if not self.text.allow(size):
             return dropped(text, f"more than {self.text.rate / 1024:g} KiB of messages per second")
         return None

@@ -105,7 +105,7 @@ class Session:
                 return
             self._last_activity = time.monotonic()
             if message.get("bytes") is not None:  # within the same budget as text: a flood gets rate_limited
-                self._error(self._budget.refusal("", len(message["bytes"])) or ProtocolError(
+                self._error(self._budget.frame_refusal(message["bytes"]) or ProtocolError(
                     "invalid_message", "binary frames carry audio only; send JSON text frames"))
             elif message.get("text") is not None:
                 await self._handle_text(message["text"])
