@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -608,7 +609,31 @@ def conv_kernel_agreement(device: torch.device) -> dict:
         out[f"snake_kernel_{key}_bit_equal"] = (fused == expected).float().mean().item()
         out[f"snake_kernel_{key}_max_abs_diff"] = (fused.float() - expected.float()).abs().max().item()
         out[f"bias_residual_kernel_{key}_bit_equal"] = added.float().mean().item()
+        out |= {f"pointwise_residual_kernel_{key}_{name}": value
+                for name, value in pointwise_residual_agreement(device, dtype, generator).items()}
     return out
+
+
+def pointwise_residual_agreement(device: torch.device, dtype: torch.dtype, generator: torch.Generator) -> dict:
+    """A residual unit's second half as one kernel (`ResidualUnit.fused_tail`) against the kernels it replaced (the
+    padding kernel's bias + SnakeBeta, cuDNN's 1x1 convolution, `add_bias_residual`), on the last block's shape: the
+    share of bit-equal values and the largest difference against the output's scale (the sums' order differs)."""
+    from engine.kernels.conv_elementwise import add_bias_residual, snake_padded
+    from engine.model.codec_decoder import ResidualUnit
+    unit = ResidualUnit("unit", 96, 1)
+    for parameter in unit.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator) * 0.3
+    unit = unit.to(device, dtype)
+    hidden = torch.randn(8, 1920, 96, generator=generator).to(device, dtype).transpose(1, 2)
+    residual = torch.randn(8, 1920, 96, generator=generator).to(device, dtype).transpose(1, 2)
+    with torch.inference_mode():
+        fused = unit.fused_tail(residual, hidden)
+        activated = snake_padded(hidden, unit.act2.alpha, unit.act2.beta, None, 0, True, unit.conv1.conv.bias)
+        conv = F.conv1d(activated, unit.conv2.conv.weight)
+        separate = add_bias_residual(residual, conv, unit.conv2.conv.bias)
+    return dict(bit_equal=(fused == separate).float().mean().item(),
+                max_abs_diff=(fused.float() - separate.float()).abs().max().item(),
+                scale=separate.float().abs().max().item())
 
 
 def _spin() -> None:

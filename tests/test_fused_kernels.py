@@ -14,7 +14,7 @@ from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
 from engine.kernels.conv_elementwise import _grid, add_bias_residual, snake_padded
 from engine.kernels.window_attention import window_attention
-from engine.model.codec_decoder import DecoderState, SnakeBeta, WindowAttention, window_mask
+from engine.model.codec_decoder import DecoderState, ResidualUnit, SnakeBeta, WindowAttention, window_mask
 from engine.model.layers import Attention, LayerScale, RMSNorm, RotaryEmbedding, apply_rope
 from engine.sampling import SamplerBatch, choose, draw_counter
 
@@ -183,6 +183,39 @@ def test_add_bias_residual_is_the_two_adds(channels, frames, x_minor, residual_m
     out = add_bias_residual(residual, x, bias)
     assert torch.equal(out, residual + (x + bias[:, None]))
     assert out.stride() == x.stride()
+
+
+@settings(max_examples=20, deadline=None)
+@given(channels=st.integers(1, 128), frames=st.integers(1, 90), batch=st.integers(1, 3), hidden_minor=st.booleans(),
+       residual_minor=st.booleans(), trim=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_snake_pointwise_residual_is_the_residual_units_second_half(channels, frames, batch, hidden_minor,
+                                                                    residual_minor, trim, seed):
+    """One matrix product with SnakeBeta on its input and the biases and the residual around it gives what the
+    plain residual unit's second half gives (bias add, SnakeBeta, 1x1 convolution, residual add), for inputs in
+    either layout (a residual that is a trimmed view), more rows than one tile and more input channels than one
+    step; the output in the hidden activation's layout. fp32 (full precision, not TF32); bf16 is compared on the GPU
+    (`scripts/bench_engine.py --parts decoder`)."""
+    generator = torch.Generator().manual_seed(seed)
+    unit = ResidualUnit("unit", channels, 1)
+    for parameter in unit.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator) * 0.5
+    hidden = _channels_minor_or_not(torch.randn(batch, channels, frames, generator=generator) * 3, hidden_minor)
+    residual = torch.randn(batch, channels, frames + trim, generator=generator)[..., trim:]
+    residual = _channels_minor_or_not(residual, residual_minor)
+    out = unit.fused_tail(residual, hidden)
+    activated = unit.act2(hidden + unit.conv1.conv.bias[:, None])
+    expected = residual + F.conv1d(activated, unit.conv2.conv.weight, unit.conv2.conv.bias)
+    assert out.transpose(1, 2).is_contiguous() if hidden_minor else out.is_contiguous()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_snake_pointwise_residual_refuses_more_channels_than_a_tile():
+    """Wider units keep cuDNN and the separate kernels (`pointwise_fits`); the kernel would otherwise activate each
+    input once per tile of outputs."""
+    unit = ResidualUnit("unit", 129, 1)
+    x = torch.zeros(1, 129, 4)
+    with pytest.raises(ValueError, match="129 channels"):
+        unit.fused_tail(x, x)
 
 
 @pytest.mark.parametrize("batch, frames", [(1, 8192), (257, 4), (257, 64)])

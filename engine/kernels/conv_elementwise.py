@@ -23,6 +23,25 @@ from engine.kernels.layer_ops import _rounded
 
 TILE = 4096  # elements a program writes: BLOCK_T time columns by BLOCK_C channels
 MAX_BLOCK_C = 64
+# `snake_pointwise_residual`'s tiles: rows (batch x time), output channels (all of them: `pointwise_fits`), input
+# channels a step; the fastest of 21 configurations at the decoder's shapes on an H100 (docs/benchmarks.md)
+POINTWISE_BLOCK_M = 64 * 2
+MAX_BLOCK_N = 128
+POINTWISE_BLOCK_K = 32
+POINTWISE_WARPS, POINTWISE_STAGES = 8, 3
+MIN_DOT = 16  # tl.dot's smallest side
+
+
+@triton.jit
+def _snake_beta(x, alpha_ptr, beta_ptr, chans, channels, dtype: tl.constexpr):
+    """SnakeBeta of x (fp32 values of the model dtype) for channels `chans` (broadcast against x), rounded where
+    PyTorch rounds."""
+    alpha = _rounded(tl.exp(tl.load(alpha_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32)), dtype)
+    beta = tl.load(beta_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32)
+    beta = _rounded(_rounded(tl.exp(beta), dtype) + 1e-9, dtype)
+    inverse_beta = _rounded(1.0 / beta, dtype)
+    sine = _rounded(tl.sin(_rounded(x * alpha, dtype)), dtype)
+    return _rounded(x + _rounded(inverse_beta * _rounded(sine * sine, dtype), dtype), dtype)
 
 
 @triton.jit
@@ -41,12 +60,7 @@ def _padded_kernel(x_ptr, past_ptr, bias_ptr, alpha_ptr, beta_ptr, out_ptr, chan
     if HAS_BIAS:
         x = _rounded(x + tl.load(bias_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32), dtype)
     if ACTIVATE:
-        alpha = _rounded(tl.exp(tl.load(alpha_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32)), dtype)
-        beta = tl.load(beta_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32)
-        beta = _rounded(_rounded(tl.exp(beta), dtype) + 1e-9, dtype)
-        inverse_beta = _rounded(1.0 / beta, dtype)
-        sine = _rounded(tl.sin(_rounded(x * alpha, dtype)), dtype)
-        x = _rounded(x + _rounded(inverse_beta * _rounded(sine * sine, dtype), dtype), dtype)
+        x = _snake_beta(x, alpha_ptr, beta_ptr, chans, channels, dtype)
     if HAS_PAST:
         remembered = tl.load(past_ptr + batch * past_sb + chans * past_sc + cols * past_st,
                              mask=in_range & (cols < context), other=0.0).to(tl.float32)
@@ -68,6 +82,35 @@ def _bias_residual_kernel(residual_ptr, x_ptr, bias_ptr, out_ptr, channels, fram
     biased = _rounded(x + tl.load(bias_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32), dtype)
     residual = tl.load(residual_ptr + batch * r_sb + chans * r_sc + cols * r_st, mask=mask, other=0.0)
     tl.store(out_ptr + batch * out_sb + chans * out_sc + cols * out_st,
+             (residual.to(tl.float32) + biased).to(dtype), mask=mask)
+
+
+@triton.jit
+def _snake_pointwise_residual_kernel(h_ptr, in_bias_ptr, alpha_ptr, beta_ptr, weight_ptr, bias_ptr, residual_ptr,
+                                     out_ptr, rows, frames, channels, h_sb, h_sc, h_st, w_so, w_si, r_sb, r_sc, r_st,
+                                     out_sb, out_sc, out_st, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (batch, time) flattened
+    batch, col = row // frames, row % frames
+    row_mask = (row < rows)[:, None]
+    outs = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, channels, BLOCK_K):
+        ins = start + tl.arange(0, BLOCK_K)
+        in_mask = ins < channels
+        h = tl.load(h_ptr + (batch * h_sb + col * h_st)[:, None] + ins[None, :] * h_sc,
+                    mask=row_mask & in_mask[None, :], other=0.0).to(tl.float32)
+        h = _rounded(h + tl.load(in_bias_ptr + ins, mask=in_mask, other=0.0).to(tl.float32)[None, :], dtype)
+        activated = _snake_beta(h, alpha_ptr, beta_ptr, ins[None, :], channels, dtype).to(dtype)
+        weight = tl.load(weight_ptr + outs * w_so + ins[:, None] * w_si,
+                         mask=(outs < channels) & in_mask[:, None], other=0.0)
+        acc = tl.dot(activated, weight, acc, input_precision=PRECISION)
+    mask = row_mask & (outs < channels)
+    biased = _rounded(_rounded(acc, dtype) + tl.load(bias_ptr + outs, mask=outs < channels, other=0.0).to(tl.float32),
+                      dtype)
+    residual = tl.load(residual_ptr + (batch * r_sb + col * r_st)[:, None] + outs * r_sc, mask=mask, other=0.0)
+    tl.store(out_ptr + (batch * out_sb + col * out_st)[:, None] + outs * out_sc,
              (residual.to(tl.float32) + biased).to(dtype), mask=mask)
 
 
@@ -95,6 +138,36 @@ def add_bias_residual(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
         residual, x, bias, out, channels, frames, *residual.stride(), *x.stride(), *out.stride(),
         **_blocks(channels, frames))
     return out
+
+
+def snake_pointwise_residual(residual: torch.Tensor, hidden: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                             input_bias: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """residual + (conv(SnakeBeta(hidden + input_bias)) + bias) for a 1x1 convolution `weight` [C, C, 1]: a residual
+    unit's second half as one matrix product over the (batch, time) rows, its input's bias and activation applied
+    as the tiles load and its bias and residual added as they store. Three passes over the activation where the
+    padding kernel, cuDNN and `add_bias_residual` took seven. hidden and residual [B, C, n] in any strides -> [B, C, n]
+    in hidden's layout. Rounded as the separate kernels round, save the sum's order (fp32: full precision, not
+    TF32). For `pointwise_fits` channel counts only."""
+    batch, channels, frames = hidden.shape
+    if not pointwise_fits(channels):
+        raise ValueError(f"{channels} channels do not fit one tile of {MAX_BLOCK_N}")
+    out = _dense(hidden, batch, channels, frames, hidden.stride(1) < hidden.stride(2))
+    matrix = weight[:, :, 0]
+    block_n = max(MIN_DOT, triton.next_power_of_2(channels))
+    grid = (triton.cdiv(batch * frames, POINTWISE_BLOCK_M), triton.cdiv(channels, block_n))
+    _snake_pointwise_residual_kernel[grid](
+        hidden, input_bias, alpha, beta, matrix, bias, residual, out, batch * frames, frames, channels,
+        *hidden.stride(), *matrix.stride(), *residual.stride(), *out.stride(),
+        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", BLOCK_M=POINTWISE_BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=POINTWISE_BLOCK_K, num_warps=POINTWISE_WARPS, num_stages=POINTWISE_STAGES)
+    return out
+
+
+def pointwise_fits(channels: int) -> bool:
+    """Whether one program's tile holds every output channel, so that each input value is loaded and activated once.
+    With more channels each tile of outputs loads and activates the input again, and cuDNN's convolution with the
+    separate kernels is faster (H100: 1.05x at 192 channels, 2.3x at 768; the fused kernel 1.8x faster at 96)."""
+    return channels <= MAX_BLOCK_N
 
 
 def _dense(like: torch.Tensor, batch: int, channels: int, columns: int, channels_minor: bool) -> torch.Tensor:
