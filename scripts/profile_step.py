@@ -82,7 +82,7 @@ def op_table(tts: TTSModel, batch: int, talker_length: int = 300) -> dict:
     from engine.kernels.attention import varlen_attention
     talker, predictor = tts.talker, tts.talker.code_predictor
     groups = predictor.cfg.num_code_groups
-    rows = {"talker": FusedLayers(talker.model).layers[0], "predictor": FusedLayers(predictor.model).layers[0]}
+    rows = {"talker": FusedLayers(talker.model, 1).layers[0], "predictor": FusedLayers(predictor.model, 1).layers[0]}
     sub_steps = {"talker": 1, "predictor": groups - 1}
     layers = {"talker": len(talker.model.layers), "predictor": len(predictor.model.layers)}
     weights = {f"{part}.{name}": (weight, layers[part] * sub_steps[part]) for part, merged in rows.items()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.fused_layers import FusedLayers
+from engine.core.fused_layers import PREDICTOR_FEW_ROWS, TALKER_FEW_ROWS, FusedLayers
 from engine.core.kv_cache import SlotKVCache
 from engine.core.prefill_graphs import PREFILL_BUCKETS, PaddedPrefill
 from engine.kernels.sampling import fused_choose
@@ -23,12 +23,12 @@ class FusedFramePath:
         `pad_prefill`: pad prefills to token buckets, their padding in the cache's scratch slot (the one past its
         slots); `capture`: replay the padded prefills as CUDA graphs."""
         self.talker, self.cache = talker, cache
-        self.talker_layers = FusedLayers(talker.model)
+        self.talker_layers = FusedLayers(talker.model, TALKER_FEW_ROWS)
         self.prefill = PaddedPrefill(self._prefill_tokens, talker.cfg.layers.hidden_size, cache.k.dtype,
                                      cache.k.device, cache.shape.slots, cache.shape.capacity,
                                      PREFILL_BUCKETS if pad_prefill else (), capture)
         predictor = talker.code_predictor
-        self.predictor_layers = FusedLayers(predictor.model)
+        self.predictor_layers = FusedLayers(predictor.model, PREDICTOR_FEW_ROWS)
         layers = predictor.cfg.layers
         device, dtype = cache.k.device, cache.k.dtype
         shape = (layers.num_hidden_layers, rows, layers.num_key_value_heads, predictor.cfg.num_code_groups,

@@ -3,7 +3,7 @@ projections and fused Triton kernels over a slot cache.
 
 Per block: RMSNorm (fused with the previous residual add), one QKV matmul, one kernel for q/k norm + RoPE + the
 cache write, varlen attention, the output matmul, add + RMSNorm, one gate/up matmul, SwiGLU, the down matmul:
-9 launches instead of ~45. A batch of one row takes `few_rows_linear` instead, which folds the norms, SwiGLU and
+9 launches instead of ~45. A pass of a few rows takes `few_rows_linear` instead, which folds the norms, SwiGLU and
 residual adds into its matmuls: 6 launches. The merged weights are the module's own storage (its q/k/v and gate/up
 parameters become views into them), so the simple path keeps working on the same memory.
 """
@@ -34,6 +34,13 @@ def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
     return weight, bias
 
 
+# Rows up to which a pass takes `few_rows_linear` (one program a row and 8 features, each weight tile read once per
+# row) instead of cuBLAS and the separate kernels. At two rows it was faster for the code predictor's blocks (28.5
+# against 32.1 us) and slower for the talker's (56.8 against 54.9 us), H100 (docs/benchmarks.md).
+TALKER_FEW_ROWS = 1
+PREDICTOR_FEW_ROWS = 2
+
+
 class _MergedBlock:
     def __init__(self, layer: TransformerBlock) -> None:
         attention = layer.self_attn
@@ -43,8 +50,9 @@ class _MergedBlock:
 
 
 class FusedLayers:
-    def __init__(self, stack: TransformerStack) -> None:
-        self.stack = stack
+    def __init__(self, stack: TransformerStack, few_rows: int) -> None:
+        """`few_rows`: passes of at most this many rows take `few_rows_linear`."""
+        self.stack, self.few_rows = stack, few_rows
         self.layers = [_MergedBlock(layer) for layer in stack.layers]
         first = stack.layers[0].self_attn
         self.q_heads, self.head_dim = first.num_heads, first.head_dim
@@ -59,8 +67,8 @@ class FusedLayers:
         Several rows may share a slot (a prefill): every row's key is stored before any row attends, and each row
         sees its slot's positions up to its own."""
         lengths = positions + 1
-        if x.shape[0] == 1:
-            return self._one_row(x, positions, slots, lengths, k_cache, v_cache)
+        if x.shape[0] <= self.few_rows:
+            return self._few_rows(x, positions, slots, lengths, k_cache, v_cache)
         norms = [merged.layer.input_layernorm.weight for merged in self.layers[1:]] + [self.stack.norm.weight]
         normed = add_rms_norm(x, None, self.layers[0].layer.input_layernorm.weight, self.eps)
         for index, (merged, next_norm) in enumerate(zip(self.layers, norms)):
@@ -73,11 +81,12 @@ class FusedLayers:
                                   self.eps)
         return normed
 
-    def _one_row(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """A lone request's token (batch 1: a request's first step, the code predictor's sub-steps at low load): the
-        norms, SwiGLU and residual adds fused into the matmuls (`few_rows_linear`), 6 launches a block instead of 9:
-        29% less time in the code predictor's blocks, 14% in the talker's (docs/benchmarks.md)."""
+    def _few_rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """A few tokens (a lone request's step; the code predictor's sub-steps and prefill at low load): the norms,
+        SwiGLU and residual adds fused into the matmuls (`few_rows_linear`), 6 launches a block instead of 9: at one
+        row 29% less time in the code predictor's blocks, 14% in the talker's (docs/benchmarks.md). Each row's bits
+        are its own, whatever the other rows."""
         for index, merged in enumerate(self.layers):
             layer = merged.layer
             qkv = few_rows_linear(x, merged.qkv, merged.qkv_bias, norm=layer.input_layernorm.weight, eps=self.eps)

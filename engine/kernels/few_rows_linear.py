@@ -12,8 +12,8 @@ reference: the normalised input, its weighted value, the activation, the product
 each rounded to the model's dtype where the PyTorch code rounds them. `TRITON_INTERPRET=1` runs it on the CPU.
 
 Several rows a program (`rows_per_program`) share each weight tile; measured slower than cuBLAS and the separate
-kernels from 4 rows up (docs/benchmarks.md), so the engine uses it for one row. A `tl.dot` form, 16 rows a program,
-was 2-4x slower still at every batch and is gone.
+kernels from 4 rows up (docs/benchmarks.md), so the engine uses it for a row or two (`fused_layers`).
+A `tl.dot` form, 16 rows a program, was 2-4x slower still at every batch and is gone.
 """
 from __future__ import annotations
 
