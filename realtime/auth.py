@@ -86,7 +86,19 @@ def load_api_keys(given: Iterable[str], key_file: Path | None = None) -> tuple[s
     keys = given + (variable or "").split(",")
     if key_file is not None:
         keys += _key_file(key_file)
-    return tuple(dict.fromkeys(key.strip() for key in keys if key.strip()))
+    keys = [key.strip() for key in keys if key.strip()]
+    for key in keys:
+        _check_sendable(key)
+    return tuple(dict.fromkeys(keys))
+
+
+def _check_sendable(key: str) -> None:
+    """A key a client can present in `Authorization: Bearer KEY`: printable ASCII without spaces (a header's bytes
+    are read as latin-1, so a key with other characters could only ever come by `?token=`). The key is not echoed."""
+    bad = next((char for char in key if not "!" <= char <= "~"), None)
+    if bad is not None:
+        raise KeyFileError(f"an API key holds {bad!r} (U+{ord(bad):04X}); keys must be printable ASCII without "
+                           f"spaces, as an Authorization header carries them")
 
 
 def _key_file(path: Path) -> list[str]:

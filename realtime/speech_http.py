@@ -122,6 +122,7 @@ def parse_speech_request(body: dict[str, Any], gateway: Gateway) -> SpeechReques
         except ProtocolError as failure:
             raise _bad(failure.message) from None
     sse = stream_format == "sse"
+    _refuse_blank("language", body.get("language"))
     return SpeechRequest(text, voice, body.get("instructions"), body.get("language") or "auto",
                          response_format, sse, seed, _stream(body, sse), _layout(body), speed, _lexicon(body, gateway))
 
@@ -158,7 +159,14 @@ def _voice(body: dict) -> str | None:
         check_limit("voice", voice or "", limits=FIELD_LIMITS_HTTP)
     except ProtocolError as failure:
         raise HTTPFailure.of(failure) from None
-    return voice or None
+    _refuse_blank("voice", voice)
+    return voice
+
+
+def _refuse_blank(name: str, value: str | None) -> None:
+    """A blank voice or language is a mistake, as on the socket, not a request for the default (leave it out)."""
+    if value is not None and not value.strip():
+        raise _bad(f"{name} must be a non-empty string; leave it out for the default")
 
 
 def _speed(body: dict) -> float:

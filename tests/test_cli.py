@@ -168,6 +168,9 @@ def test_serve_refuses_bad_limits():
     (["--api-key", ""], {}, "--api-key is empty"),  # `--api-key "$KEY"` with KEY unset served with no key
     (["--api-key", " "], {}, "--api-key is empty"),
     ([], {"VOXGATE_API_KEYS": " , "}, "holds no key"),
+    # a key no Authorization header can carry (its bytes are read as latin-1) was accepted and then never matched
+    (["--api-key", "k\u00e9y"], {}, "an API key holds 'é' (U+00E9); keys must be printable ASCII"),
+    ([], {"VOXGATE_API_KEYS": "good,with space"}, "an API key holds ' ' (U+0020)"),
 ])
 def test_serve_refuses_bad_flags_at_once_in_one_line(args, env, message):
     started = time.monotonic()

@@ -20,6 +20,7 @@ from websockets.exceptions import ConnectionClosed
 
 from realtime.audio.mulaw import mulaw_decode
 from realtime.gateway import Limits
+from realtime.ws import registry
 from realtime.ws.protocol import MAX_INTEGER_DIGITS
 from tests.gateway_server import running_server
 
@@ -340,6 +341,33 @@ def test_flush_mark_and_unknown_contexts(server):
         await conn.send(type="context.cancel", context_id="never-seen")
         ack = (await conn.until(lambda e: e["type"] == "context.cancelled"))[-1]
         assert ack["audio_sent_ms"] == 0 and ack["reason"] == "client"
+        await conn.ws.close()
+    run(go())
+
+
+def test_a_closed_context_id_stays_closed_however_many_ids_the_session_uses(server, monkeypatch):
+    """PROTOCOL.md: an id cannot be reused after its context.cancelled. The registry forgot the oldest of 10,000
+    closed ids, so cancelling 10,001 unknown ids let an old id open again (a second done for one id). Now every id
+    is kept and a session that has used its ids gets error{context_limit} for a new one, naming the way out; the
+    limit is cut to 5 here."""
+    monkeypatch.setattr(registry, "MAX_CONTEXT_IDS", 5)
+
+    async def go():
+        conn = await session(server)
+        await conn.send(type="text.append", context_id="live", text="A sentence long enough to keep speaking. " * 8)
+        await conn.until(lambda e: e["type"] == "context.started")
+        for index in range(7):  # more than the limit, as the hostile client sent 10,001
+            await conn.send(type="context.cancel", context_id=f"c{index}")
+            ack = (await conn.until(lambda e: e["type"] == "context.cancelled"))[-1]
+            assert ack["context_id"] == f"c{index}"
+        await conn.send(type="context.cancel", context_id="live")
+        await conn.until(lambda e: e["type"] == "context.cancelled" and e["context_id"] == "live")
+        for context_id, code in [("c0", "context_closed"), ("live", "context_closed"), ("fresh", "context_limit"),
+                                 ("c6", "context_limit")]:  # c6 came past the limit: kept or not, it cannot open
+            await conn.send(type="text.append", context_id=context_id, text="Hello.")
+            error = (await conn.until(lambda e: e["type"] in ("error", "context.started")))[-1]
+            assert (error["type"], error["code"], error["context_id"]) == ("error", code, context_id)
+            assert not error["fatal"] and (code != "context_limit" or "open a new session" in error["message"])
         await conn.ws.close()
     run(go())
 

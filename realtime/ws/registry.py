@@ -15,7 +15,9 @@ from realtime.ws.outbox import Outbox
 from realtime.ws.protocol import CONTEXT_FIELDS, ProtocolError, event
 from realtime.ws.settings import SessionSettings
 
-MAX_CLOSED_IDS = 10000
+# Context ids one session may use over its life: each closed id is remembered so that none is reused (PROTOCOL.md),
+# and this bounds that memory. A voice chat with a context a turn runs for hours within it.
+MAX_CONTEXT_IDS = 10_000
 STREAM_IDS = 65536  # stream_id is a u16 of the binary header
 
 
@@ -66,6 +68,10 @@ class ContextRegistry:
         if len(self.open) >= self.max_contexts:
             raise ProtocolError("context_limit", f"at most {self.max_contexts} open contexts per session",
                                 context_id=context_id)
+        if self._ids_used() >= MAX_CONTEXT_IDS:
+            raise ProtocolError("context_limit", f"this session has used its {MAX_CONTEXT_IDS} context ids (closed "
+                                                 f"ids are kept, so that none is reused); open a new session",
+                                context_id=context_id)
         config = self.settings.config
         voice_id, instructions, language = self.settings.context_fields(message)
         voice_id = voice_id or self.gateway.voices.default
@@ -109,7 +115,8 @@ class ContextRegistry:
         context = self.open.pop(context_id, None)
         if context is None:
             audio_sent_ms = self.finished.get(context_id, 0.0)
-            self._close_id(context_id, audio_sent_ms)
+            if context_id in self.finished or self._ids_used() < MAX_CONTEXT_IDS:
+                self._close_id(context_id, audio_sent_ms)  # past the limit no new id opens anyway
             self.outbox.put_event(event("context.cancelled", context_id=context_id, reason=reason,
                                         audio_sent_ms=round(audio_sent_ms, 3), event_id=message.get("event_id")))
             return
@@ -145,8 +152,9 @@ class ContextRegistry:
         self._close_id(context.context_id, context.stats.audio_sent_ms)
 
     def _close_id(self, context_id: str, audio_sent_ms: float) -> None:
-        """The id cannot be used again; only the newest MAX_CLOSED_IDS are remembered, so memory stays bounded."""
-        self.finished.pop(context_id, None)
+        """The id cannot be used again. Every id is kept: at most MAX_CONTEXT_IDS and the contexts open when the
+        session reached it (forgetting the oldest let a long session reuse an id, and get two dones for it)."""
         self.finished[context_id] = audio_sent_ms
-        if len(self.finished) > MAX_CLOSED_IDS:
-            del self.finished[next(iter(self.finished))]
+
+    def _ids_used(self) -> int:
+        return len(self.finished) + len(self.open)
