@@ -23,8 +23,8 @@ from engine.kernels.layer_ops import _rounded
 
 TILE = 4096  # elements a program writes: BLOCK_T time columns by BLOCK_C channels
 MAX_BLOCK_C = 64
-# `snake_pointwise_residual`'s tiles: rows (batch x time), output channels (all of them: `pointwise_fits`), input
-# channels a step; the fastest of 21 configurations at the decoder's shapes on an H100 (docs/benchmarks.md)
+# `snake_pointwise_residual`'s tiles: rows (batch x time), output channels, input channels a step; the fastest of 21
+# configurations at the decoder's shapes on an H100 (docs/benchmarks.md)
 POINTWISE_BLOCK_M = 64 * 2
 MAX_BLOCK_N = 128
 POINTWISE_BLOCK_K = 32
@@ -147,13 +147,11 @@ def snake_pointwise_residual(residual: torch.Tensor, hidden: torch.Tensor, alpha
     as the tiles load and its bias and residual added as they store. Three passes over the activation where the
     padding kernel, cuDNN and `add_bias_residual` took seven. hidden and residual [B, C, n] in any strides -> [B, C, n]
     in hidden's layout. Rounded as the separate kernels round, save the sum's order (fp32: full precision, not
-    TF32). For `pointwise_fits` channel counts only."""
+    TF32). Faster than the separate kernels only where `pointwise_fits`."""
     batch, channels, frames = hidden.shape
-    if not pointwise_fits(channels):
-        raise ValueError(f"{channels} channels do not fit one tile of {MAX_BLOCK_N}")
     out = _dense(hidden, batch, channels, frames, hidden.stride(1) < hidden.stride(2))
     matrix = weight[:, :, 0]
-    block_n = max(MIN_DOT, triton.next_power_of_2(channels))
+    block_n = min(MAX_BLOCK_N, max(MIN_DOT, triton.next_power_of_2(channels)))
     grid = (triton.cdiv(batch * frames, POINTWISE_BLOCK_M), triton.cdiv(channels, block_n))
     _snake_pointwise_residual_kernel[grid](
         hidden, input_bias, alpha, beta, matrix, bias, residual, out, batch * frames, frames, channels,
