@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from realtime.auth import Auth, KeyRefused, OriginRefused
@@ -207,7 +209,7 @@ def create_app(gateway: Gateway) -> Starlette:
                    Mount("/static", StaticFiles(directory=WEB_DIR))]
     cors = Middleware(_Cors, allow_origins=list(gateway.limits.allowed_origins) or ["*"], allow_methods=CORS_METHODS,
                       allow_headers=CORS_HEADERS, expose_headers=CORS_EXPOSED, max_age=600)
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[cors],
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_AbsoluteFormTarget), cors],
                     exception_handlers={HTTPException: _routing_refusal})
     # a path that matches no route is the API's JSON 404, never a redirect: starlette's 307 to the path with its
     # trailing slash changed sent GET /v1/audio/voices/%2F (a voice id "/") to the voice list
@@ -224,6 +226,27 @@ CORS_EXPOSED = ["X-Sample-Rate", "X-Audio-Samples", "Location"]  # (Content-Type
 # through the official JS SDK asks for them, and its preflight was refused
 SDK_HEADER_PREFIX = "x-stainless-"
 SDK_HEADERS = frozenset({"openai-organization", "openai-project", "openai-beta"})
+
+
+# `scheme://authority` at the start of a request target
+ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
+
+
+class _AbsoluteFormTarget:
+    """A request target in absolute form (`GET http://host/v1/voices`, as a client behind a proxy may send it) is
+    routed by its path: RFC 9112 says a server must accept it, and uvicorn passes the whole target on as the path,
+    which matched no route (404). An origin-form target always starts with "/", so nothing else is touched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and (absolute := ABSOLUTE_FORM.match(scope["path"])):
+            raw_path = scope.get("raw_path") or scope["path"].encode()
+            raw_prefix = ABSOLUTE_FORM.match(raw_path.decode("latin-1"))
+            scope = dict(scope, path=scope["path"][absolute.end():] or "/",
+                         raw_path=raw_path[raw_prefix.end() if raw_prefix else 0:] or b"/")
+        await self.app(scope, receive, send)
 
 
 class _Cors(CORSMiddleware):

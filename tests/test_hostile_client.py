@@ -397,6 +397,23 @@ def test_a_request_that_frames_its_body_two_ways_is_refused(server, route, lengt
     assert server.get("/health")[0] == 200
 
 
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(scheme=st.sampled_from(["http", "https", "HTTP", "ws"]),
+       authority=st.sampled_from(["127.0.0.1", "127.0.0.1:1", "example.com", "user@host:8080", "[::1]:80", ""]),
+       route=st.sampled_from([("/health", b'"status"'), ("/v1/models", b'"data"'), ("/v1/voices?x=%2F", b'"voices"')]))
+def test_a_request_target_in_absolute_form_is_routed_by_its_path(server, scheme, authority, route):
+    """RFC 9112: a server accepts `GET http://host/path` (what a client behind a proxy may send); it got 404, as
+    uvicorn passed the whole target on as the path. Now it is served as its path is; the authority is not used."""
+    path, expected = route
+    with socket.create_connection(("127.0.0.1", server.port), timeout=EXAMPLE_TIMEOUT_S) as raw:
+        raw.sendall(f"GET {scheme}://{authority}{path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 ") and expected in answer, answer[:300]
+
+
 # --- WebSocket handshakes -----------------------------------------------------------------------------------------
 
 def _handshake(port: int, extra_headers: bytes, key: bool = True, path: bytes = b"/v1/tts/stream") -> bytes:
@@ -410,6 +427,10 @@ def _handshake(port: int, extra_headers: bytes, key: bool = True, path: bytes = 
         while (b"\r\n\r\n" not in answer or not answer.startswith(b"HTTP/1.1 101 ")) and (chunk := raw.recv(65536)):
             answer += chunk  # a refusal is read to the close
     return answer
+
+
+def test_a_socket_opened_with_an_absolute_target_starts_its_session(server):
+    assert _handshake(server.port, b"", path=b"ws://127.0.0.1/v1/tts/stream").startswith(b"HTTP/1.1 101 ")
 
 
 @settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
