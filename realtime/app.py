@@ -369,6 +369,11 @@ def _socket_refusal(websocket: WebSocket, gateway: Gateway, auth: Auth) -> tuple
     if len(gateway.sessions) >= gateway.limits.max_sessions:
         return ProtocolError("overloaded", f"the server has its maximum of {gateway.limits.max_sessions} "
                                            "sessions; retry later", fatal=True), CLOSE_OVERLOADED
+    per_key = gateway.limits.max_sessions_per_key
+    if per_key is not None and gateway.sessions_of(auth.key(websocket)) >= per_key:
+        return ProtocolError("overloaded", f"this API key has its maximum of {per_key} open sessions "
+                                           "(--max-sessions-per-key); close one or retry later",
+                             fatal=True), CLOSE_OVERLOADED
     return None
 
 

@@ -102,6 +102,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sessions", type=int,
                    help="open WebSocket sessions (default: one per engine slot, at least 64; the log and /ready say "
                         "how many)")
+    p.add_argument("--max-sessions-per-key", type=int,
+                   help="open WebSocket sessions one API key may hold (default: no limit of its own), so that one "
+                        "tenant cannot take every session; needs API keys")
     p.add_argument("--max-contexts", type=int, default=d.max_contexts, help="open contexts per session")
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="text per context")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="a socket message or HTTP body")
@@ -175,8 +178,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from realtime.server import serve
     from realtime.voices import CloneVoice, parse_openai_voice
 
-    for name in ("max_sessions", "max_contexts", "max_text_chars", "max_message_bytes", "send_queue_ms",
-                 "max_voice_upload_bytes", "max_stored_voices", "encoder_workers", "max_batch"):
+    for name in ("max_sessions", "max_sessions_per_key", "max_contexts", "max_text_chars", "max_message_bytes",
+                 "send_queue_ms", "max_voice_upload_bytes", "max_stored_voices", "encoder_workers", "max_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise VoxgateError(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.port <= 65535:
@@ -194,7 +197,11 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = Limits(args.max_sessions, args.max_contexts, args.max_text_chars, args.max_message_bytes,
                     args.idle_timeout, args.send_queue_ms, args.max_message_rate, api_keys(args),
                     tuple(args.allowed_origin), args.handshake_timeout, args.max_connections,
-                    max_voice_upload_bytes=args.max_voice_upload_bytes, max_stored_voices=args.max_stored_voices)
+                    max_voice_upload_bytes=args.max_voice_upload_bytes, max_stored_voices=args.max_stored_voices,
+                    max_sessions_per_key=args.max_sessions_per_key)
+    if limits.max_sessions_per_key is not None and not limits.api_keys:
+        raise VoxgateError("--max-sessions-per-key needs API keys (--api-key, $VOXGATE_API_KEYS or --api-key-file): "
+                           "an open gateway's sessions present none")
     if limits.max_connections is not None and limits.max_connections <= (limits.max_sessions or MIN_SESSIONS):
         raise VoxgateError("--max-connections must be more than --max-sessions")
     if bool(args.llm_url) != bool(args.llm_model):

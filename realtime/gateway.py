@@ -29,6 +29,7 @@ from engine.serving.heap import SERVING_THRESHOLDS, freeze_long_lived, thaw
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
 from realtime.audio.encoder_pool import EncoderPool
+from realtime.auth import same_key
 from realtime.audio.ffmpeg import use_one_thread
 from realtime.lexicon import Lexicon, LexiconStore
 from realtime.lexicons_http import HTTP_RULES_RATE
@@ -91,6 +92,7 @@ class Limits:
     max_connections: int | None = None  # open TCP connections, HTTP and WebSocket; None: 2 * max_sessions + 64
     max_voice_upload_bytes: int = 16 * 1024 * 1024  # a POST /v1/audio/voices body
     max_stored_voices: int = 1000  # the library's voices per checkpoint
+    max_sessions_per_key: int | None = None  # one API key's open sessions; None: max_sessions alone
 
     @property
     def connection_cap(self) -> int:
@@ -190,6 +192,10 @@ class Gateway:
     def session(self, session_id: str):
         """The open voxgate.v1 session with this id, or None."""
         return next((session for session in self.sessions if session.id == session_id), None)
+
+    def sessions_of(self, key: str | None) -> int:
+        """The open sessions opened with this API key (`--max-sessions-per-key`)."""
+        return sum(1 for session in self.sessions if same_key(session.owner, key))
 
     @property
     def model_name(self) -> str:

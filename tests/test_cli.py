@@ -171,6 +171,8 @@ def test_serve_refuses_bad_limits():
     # a key no Authorization header can carry (its bytes are read as latin-1) was accepted and then never matched
     (["--api-key", "k\u00e9y"], {}, "an API key holds 'é' (U+00E9); keys must be printable ASCII"),
     ([], {"VOXGATE_API_KEYS": "good,with space"}, "an API key holds ' ' (U+0020)"),
+    (["--max-sessions-per-key", "2"], {}, "--max-sessions-per-key needs API keys"),
+    (["--max-sessions-per-key", "0", "--api-key", "k"], {}, "--max-sessions-per-key must be at least 1"),
 ])
 def test_serve_refuses_bad_flags_at_once_in_one_line(args, env, message):
     started = time.monotonic()

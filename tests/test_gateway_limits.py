@@ -334,6 +334,36 @@ def test_session_and_connection_limits_follow_the_engine_slots():
                 sock.close()
 
 
+def test_one_api_key_cannot_take_every_session():
+    """--max-sessions-per-key: a key's sessions past the limit get error{overloaded} naming it and 1013, while
+    another key still opens; a closed session gives its key the room back. The key may come as a header or as
+    `?token=`: they count as one."""
+    with running_server(Limits(api_keys=("tenant-a", "tenant-b"), max_sessions_per_key=2)) as server:
+        def opening(key: str, header: bool = True):
+            if header:
+                return connect(server.ws, additional_headers={"Authorization": f"Bearer {key}"})
+            return connect(f"{server.ws}?token={key}")
+
+        async def go() -> None:
+            async with opening("tenant-a") as first, opening("tenant-a", header=False) as second:
+                for ws in (first, second):
+                    assert json.loads(await ws.recv())["type"] == "session.started"
+                async with opening("tenant-a") as third:
+                    events, code = await closing_events(third)
+                    assert code == 1013 and events[-1]["code"] == "overloaded" and events[-1]["fatal"]
+                    assert "this API key has its maximum of 2 open sessions" in events[-1]["message"]
+                async with opening("tenant-b") as other:
+                    assert json.loads(await other.recv())["type"] == "session.started"
+                await second.close()
+                for _ in range(100):  # the server sees the close a moment later
+                    if server.gateway.sessions_of("tenant-a") < 2:
+                        break
+                    await asyncio.sleep(0.05)
+                async with opening("tenant-a") as again:
+                    assert json.loads(await again.recv())["type"] == "session.started"
+        asyncio.run(go())
+
+
 async def context_done(ws, context_id: str) -> list[dict]:
     """The JSON events up to `context_id`'s context.done."""
     events = []
