@@ -71,48 +71,62 @@ def _is_word(ch: str) -> bool:
     return ch.isalnum() or ch == "_"
 
 
-class _Node:
-    """A trie node: the terms' prefix it stands for, `depth` characters long; with the Aho-Corasick links, `fail`
-    (the node of its longest proper suffix in the trie) and `output` (the longest term ending here, itself or
-    down the fail chain)."""
+class _Trie:
+    """The terms' trie with Aho-Corasick's links, as flat lists indexed by node (the root is 0): `next` (a node's
+    children by folded character), `replacement` (of the term ending at the node, or None), `depth` (the length of
+    the prefix it stands for), `fail` (the node of its longest proper suffix in the trie) and `output` (the longest
+    term ending here, itself or down the fail chain; -1: none). Flat, it holds no reference cycle and nothing the
+    garbage collector tracks but its five lists (a node's dict of characters to ints is untracked): a node object
+    each, linked in cycles, made every collection walk millions of objects with the event loop stopped (a hostile
+    try: 99 stored lexicons, pauses of 4.4 s, and 11.7 s for the collection a full bound forced)."""
     __slots__ = ("next", "replacement", "depth", "fail", "output", "__weakref__")
 
-    def __init__(self, depth: int = 0) -> None:
-        self.next: dict[str, _Node] = {}
-        self.replacement: str | None = None
-        self.depth = depth
-        self.fail: _Node | None = None
-        self.output: _Node | None = None
+    def __init__(self) -> None:
+        self.next: list[dict[str, int]] = []
+        self.replacement: list[str | None] = []
+        self.depth: list[int] = []
+        self.fail: list[int] = []
+        self.output: list[int] = []
+        self.add(0)
+
+    def add(self, depth: int) -> int:
+        self.next.append({})
+        self.replacement.append(None)
+        self.depth.append(depth)
+        self.fail.append(0)
+        self.output.append(-1)
+        return len(self.depth) - 1
+
+    def __len__(self) -> int:
+        return len(self.depth)
+
+    def link(self) -> None:
+        """Aho-Corasick's fail and output links, breadth first."""
+        nxt, fail, output, replacement = self.next, self.fail, self.output, self.replacement
+        queue = deque([0])
+        while queue:
+            node = queue.popleft()
+            for ch, child in nxt[node].items():
+                suffix = fail[node]
+                while suffix and ch not in nxt[suffix]:
+                    suffix = fail[suffix]
+                fail[child] = nxt[suffix][ch] if node and ch in nxt[suffix] else 0
+                output[child] = child if replacement[child] is not None else output[fail[child]]
+                queue.append(child)
 
 
-def _link(root: _Node) -> None:
-    """Aho-Corasick's fail and output links, breadth first."""
-    root.fail, queue = root, deque([root])
-    while queue:
-        node = queue.popleft()
-        for ch, child in node.next.items():
-            fail = node.fail
-            while fail is not root and ch not in fail.next:
-                fail = fail.fail
-            child.fail = fail.next[ch] if node is not root and ch in fail.next else root
-            child.output = child if child.replacement is not None else child.fail.output
-            queue.append(child)
-
-
-def _trie(rules: tuple[Rule, ...]) -> tuple[_Node, int]:
-    """The terms' trie with its Aho-Corasick links, and its number of nodes."""
-    root, nodes = _Node(), 1
+def _trie(rules: tuple[Rule, ...]) -> _Trie:
+    trie = _Trie()
     for rule in rules:
-        node = root
+        node = 0
         for ch in map(_fold, rule.term):
-            child = node.next.get(ch)
+            child = trie.next[node].get(ch)
             if child is None:
-                child = node.next[ch] = _Node(node.depth + 1)
-                nodes += 1
+                child = trie.next[node][ch] = trie.add(trie.depth[node] + 1)
             node = child
-        node.replacement = rule.replacement
-    _link(root)
-    return root, nodes
+        trie.replacement[node] = rule.replacement
+    trie.link()
+    return trie
 
 
 class Tries:
@@ -129,15 +143,15 @@ class Tries:
     def __init__(self, max_nodes: int, keep: int = 8) -> None:
         self.max_nodes, self.keep = max_nodes, keep
         self.nodes = 0  # of the distinct tries alive, and of those being built
-        self._alive: weakref.WeakValueDictionary[tuple[Rule, ...], _Node] = weakref.WeakValueDictionary()
+        self._alive: weakref.WeakValueDictionary[tuple[Rule, ...], _Trie] = weakref.WeakValueDictionary()
         self._counts: dict[tuple[Rule, ...], _Count] = {}  # each trie alive: what it counts and its size
-        self._recent: OrderedDict[tuple[Rule, ...], _Node] = OrderedDict()
+        self._recent: OrderedDict[tuple[Rule, ...], _Trie] = OrderedDict()
         # client lexicons compile on LEXICON_COMPILER, while the event loop's lexicons are released (a finalizer runs
         # where the last reference goes); reentrant: a collection inside `get` may run `_released` on the same thread
         self._lock = threading.RLock()
         self._collected_at = -COLLECT_INTERVAL_S
 
-    def get(self, rules: tuple[Rule, ...], bounded: bool = True) -> _Node:
+    def get(self, rules: tuple[Rule, ...], bounded: bool = True) -> _Trie:
         """The trie of `rules`, shared or built; `bounded`: it counts against `max_nodes` (an inline lexicon's; a
         stored one's is bounded by the store)."""
         with self._lock:
@@ -147,14 +161,14 @@ class Tries:
                 self._reserve(size)
         if root is None:  # built outside the lock: the other threads and the event loop go on meanwhile
             try:
-                root, nodes = _trie(rules)
+                root = _trie(rules)
             except BaseException:
                 with self._lock:
                     self.nodes -= size
                 raise
             with self._lock:  # the reservation becomes the count, in one step (another thread may have won)
                 self.nodes -= size
-                root = self._alive.get(rules) or self._adopt(rules, root, nodes, bounded)
+                root = self._alive.get(rules) or self._adopt(rules, root, len(root), bounded)
         with self._lock:
             self._recent[rules] = root
             self._recent.move_to_end(rules)
@@ -182,7 +196,7 @@ class Tries:
                                    "replaced while in use); share one (a stored lexicon, the same rules) or retry "
                                    "when other sessions have ended")
 
-    def _adopt(self, rules: tuple[Rule, ...], root: _Node, size: int, bounded: bool) -> _Node:
+    def _adopt(self, rules: tuple[Rule, ...], root: _Trie, size: int, bounded: bool) -> _Trie:
         count = self._counts[rules] = _Count(size, size if bounded else 0)
         self.nodes += count.counted
         weakref.finalize(root, self._released, rules, count)
@@ -225,7 +239,7 @@ TRIES = Tries(MAX_TRIE_NODES)
 class Lexicon:
     rules: tuple[Rule, ...]
     name: str | None = None  # a stored lexicon's name; None: given inline
-    _root: _Node = field(init=False, repr=False)
+    _root: _Trie = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_root", TRIES.get(self.rules, bounded=self.name is None))
@@ -266,31 +280,33 @@ class Lexicon:
                 cursor = at_cursor[0]
             at_cursor = later.pop(cursor, None)
 
-        root = node = self._root
+        trie = self._root
+        nxt, fail, output, depth, replacement = trie.next, trie.fail, trie.output, trie.depth, trie.replacement
+        node = 0
         for end, ch in enumerate(map(_fold, text), 1):
-            while node is not root and ch not in node.next:
-                node = node.fail
-            node = node.next.get(ch, root)
+            while node and ch not in nxt[node]:
+                node = fail[node]
+            node = nxt[node].get(ch, 0)
             # a term never ends inside a word (the same for every term ending here); at the text's end only the
             # final text decides
-            found = node.output if (not (word[end - 1] and word[end]) if end < len(text) else final) else None
-            while found is not None:
-                start = end - found.depth  # from the longest term to the shortest: `start` grows
+            found = output[node] if (not (word[end - 1] and word[end]) if end < len(text) else final) else -1
+            while found >= 0:
+                start = end - depth[found]  # from the longest term to the shortest: `start` grows
                 if start == cursor:
                     if not inside_word(start):
-                        at_cursor = (end, found.replacement)
+                        at_cursor = (end, replacement[found])
                 elif (at_cursor is None or start >= at_cursor[0]) and not inside_word(start):
-                    later[start] = (end, found.replacement)  # ends only grow: the longest term at `start`
+                    later[start] = (end, replacement[found])  # ends only grow: the longest term at `start`
                 if at_cursor is not None and at_cursor[0] >= end:
                     break  # the shorter ones start inside the cursor's match
-                found = found.fail.output
+                found = output[fail[found]]
             # the cursor is decided once no term from it can still be lengthened (or none starts there)
-            while cursor < end and (end - cursor > node.depth or inside_word(cursor)):
+            while cursor < end and (end - cursor > depth[node] or inside_word(cursor)):
                 settle()
-            while node.depth > end - cursor:  # text before the cursor matches nothing more
-                node = node.fail
+            while depth[node] > end - cursor:  # text before the cursor matches nothing more
+                node = fail[node]
         undecided = set() if final else {  # starts of a term the next text may still complete or lengthen
-            len(text) - open_.depth for open_ in _chain(node, root) if not inside_word(len(text) - open_.depth)}
+            len(text) - depth[open_] for open_ in _chain(trie, node) if not inside_word(len(text) - depth[open_])}
         while cursor < len(text):
             if cursor in undecided:
                 return swaps, cursor
@@ -298,12 +314,12 @@ class Lexicon:
         return swaps, len(text)
 
 
-def _chain(node: _Node, root: _Node) -> list[_Node]:
+def _chain(trie: _Trie, node: int) -> list[int]:
     """The node and its fail chain, short of the root: every suffix of the text that is a prefix of a term."""
     chain = []
-    while node is not root:
+    while node:
         chain.append(node)
-        node = node.fail
+        node = trie.fail[node]
     return chain
 
 
