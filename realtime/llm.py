@@ -3,16 +3,26 @@ the demo's LLM chat: OpenAI's own SDK reads the server-sent events, so that thei
 are handled by a client that is kept up with the API."""
 from __future__ import annotations
 
+import importlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from openai import AsyncOpenAI, Omit, OpenAIError, Timeout
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient, Omit, OpenAIError, Timeout
 from openai.types.chat import ChatCompletionChunk
+
+# the HTTP client package the SDK is built on (httpx, or its fork httpx2 in openai 3.x): the transport and the body
+# below must be its classes
+_http = importlib.import_module(DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # between two events of the stream
 COMPLETIONS_PATH = "/chat/completions"
 NO_KEY = "none"  # the SDK insists on a key; without one configured, each request omits its Authorization header
+# What one reply may send: a line of its event stream, and all of it (a context takes at most 20,000 characters by
+# default; a piece a chunk with its JSON around it is ~200 bytes). A 200 MB event held the gateway's loop for 3 s and
+# kept 430 MB; 200,000 empty chunks held it for 9 s (a hostile try, with a misbehaving LLM)
+MAX_EVENT_BYTES = 1 << 20
+MAX_REPLY_BYTES = 16 << 20
 
 
 class LLMError(Exception):
@@ -37,7 +47,44 @@ def new_llm_client(config: LLMConfig) -> AsyncOpenAI:
     """One connection pool for a chat socket's turns. No retries: a turn that failed is reported at once, and the
     user asks again."""
     return AsyncOpenAI(base_url=config.base_url, api_key=config.api_key or NO_KEY, max_retries=0,
-                       timeout=Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+                       timeout=Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+                       http_client=DefaultAsyncHttpxClient(transport=_BoundedTransport()))
+
+
+class _BoundedTransport(_http.AsyncHTTPTransport):
+    """Each response's body read through `_BoundedBody`."""
+
+    async def handle_async_request(self, request: _http.Request) -> _http.Response:
+        response = await super().handle_async_request(request)
+        response.stream = _BoundedBody(response.stream)
+        return response
+
+
+class _BoundedBody(_http.AsyncByteStream):
+    """A response body that raises LLMError as soon as a line passes MAX_EVENT_BYTES or the whole MAX_REPLY_BYTES,
+    before the SDK gathers it."""
+
+    def __init__(self, stream: _http.AsyncByteStream) -> None:
+        self.stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        line = total = 0  # bytes of the line not yet ended, and of the body
+        async for data in self.stream:
+            total += len(data)
+            lines = data.split(b"\n")
+            line += len(lines[0])
+            if len(lines) > 1:
+                line = max(line, *map(len, lines[1:-1]))
+            if line > MAX_EVENT_BYTES:
+                raise LLMError(f"the LLM sent an event of more than {MAX_EVENT_BYTES} bytes")
+            if total > MAX_REPLY_BYTES:
+                raise LLMError(f"the LLM's reply passed {MAX_REPLY_BYTES} bytes")
+            if len(lines) > 1:
+                line = len(lines[-1])
+            yield data
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 async def stream_chat(client: AsyncOpenAI, config: LLMConfig, messages: list[dict[str, str]]) -> AsyncIterator[str]:

@@ -10,7 +10,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from realtime.gateway import Limits
-from realtime.llm import LLMConfig
+from realtime import llm as llm_module
+from realtime.llm import LLMConfig, LLMError, new_llm_client, stream_chat
 from tests.fake_llm import running_fake_llm
 from tests.gateway_server import running_server
 
@@ -441,3 +442,26 @@ def test_chat_sockets_are_capped_and_a_silent_one_stays_open():
 
     with running_server(Limits(api_keys=("k",), max_sessions=2, idle_timeout_s=1.0)) as capped:
         asyncio.run(go(capped))
+
+
+async def _reply(url: str) -> str:
+    config = LLMConfig(url, "m")
+    pieces = stream_chat(new_llm_client(config), config, [{"role": "user", "content": "hi"}])
+    return "".join([piece async for piece in pieces])
+
+
+@pytest.mark.parametrize("reply, cap, refusal", [
+    (["fine ", "x" * 3000], "MAX_EVENT_BYTES", "an event of more than 1000 bytes"),  # one huge event
+    ([""] * 400, "MAX_REPLY_BYTES", "reply passed 20000 bytes"),  # events without text, endlessly
+])
+def test_an_llm_that_sends_too_much_is_cut_off_before_its_events_are_gathered(monkeypatch, reply, cap, refusal):
+    """A hostile try's LLM sent one 200 MB event (the gateway's loop held 3 s, 430 MB kept) or 200,000 empty chunks
+    (9 s): the reply's body is bounded as it is read, per line and in all (lowered here), and the turn ends with an
+    LLMError naming the bound; a reply within the bounds is read whole."""
+    monkeypatch.setattr(llm_module, "MAX_EVENT_BYTES", 1000)
+    monkeypatch.setattr(llm_module, "MAX_REPLY_BYTES", 20_000)
+    with running_fake_llm(reply, token_delay_s=0) as fake:
+        with pytest.raises(LLMError, match=refusal):
+            asyncio.run(_reply(fake.url))
+    with running_fake_llm(["a ", "b" * 500, " c"], token_delay_s=0) as fake:
+        assert asyncio.run(_reply(fake.url)) == "a " + "b" * 500 + " c"
