@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
@@ -54,9 +55,13 @@ class UploadTooLarge(Exception):
 async def read_upload(request: Request, max_bytes: int) -> VoiceUpload:
     """The form of a POST /v1/audio/voices, read no further than `max_bytes`; raises HTTPFailure naming the problem
     (413 `upload_too_large` past the limit, 400 `invalid_message` for a malformed form or field)."""
-    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+    media_type, options = parse_options_header(request.headers.get("content-type", ""))
+    if media_type.lower() != b"multipart/form-data":  # (a prefix was taken: multipart/form-data-not-really)
         raise voice_failure("invalid_message", "the body must be multipart/form-data with fields name, audio "
                                                "(a file) and transcript, or name and instruction")
+    if options.get(b"charset", b"utf-8").lower() not in (b"utf-8", b"utf8"):  # starlette decoded fields in it
+        raise voice_failure("invalid_message", "the form's text fields are UTF-8: leave the charset out of its "
+                                               "Content-Type, or give utf-8")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)

@@ -42,6 +42,11 @@ def wav(seconds: float = 2.0, amplitude: float = 0.3, rate: int = RATE, fmt: str
     return out.getvalue()
 
 
+# a well-formed form (boundary "x"): a name and an audio file
+FORM_BODY = (b'--x\r\nContent-Disposition: form-data; name="name"\r\n\r\ncaf\xc3\xa9\r\n--x\r\nContent-Disposition: '
+             b'form-data; name="audio"; filename="r.wav"\r\nContent-Type: audio/wav\r\n\r\nRIFF\r\n--x--\r\n')
+
+
 def upload(server, name: str | None, audio: bytes | None = None, token: str | None = None, **fields: str):
     data = {k: v for k, v in {"name": name, **fields}.items() if v is not None}
     files = {"audio": ("reference.wav", audio, "audio/wav")} if audio is not None else None
@@ -223,6 +228,15 @@ def test_bad_uploads_get_specific_errors(base_model, tmp_path, one_thread):
             "malformed multipart": (httpx.post(server.http + "/v1/audio/voices", content=b"--x\r\nnonsense",
                                                headers={"Content-Type": "multipart/form-data; boundary=x"}),
                                     400, "invalid_message"),
+            # a media type that only starts like it was taken (a hostile try)
+            "not quite multipart": (httpx.post(server.http + "/v1/audio/voices", content=FORM_BODY,
+                                               headers={"Content-Type": "multipart/form-data-not-really; "
+                                                                        "boundary=x"}), 400, "invalid_message"),
+            # fields were decoded in the charset given, silently: a transcript stored as other text (a hostile try)
+            "a charset other than UTF-8": (httpx.post(server.http + "/v1/audio/voices", content=FORM_BODY,
+                                                      headers={"Content-Type": "multipart/form-data; boundary=x; "
+                                                                               "charset=latin-1"}),
+                                           400, "invalid_message"),
             "unknown id": (httpx.get(server.http + "/v1/audio/voices/nobody"), 404, "unknown_voice"),
             "delete an unknown id": (httpx.delete(server.http + "/v1/audio/voices/nobody"), 404, "unknown_voice"),
         }
