@@ -250,8 +250,10 @@ def test_load_reference_audio_errors(tmp_path):
         load_reference_audio(empty)
     short = tmp_path / "short.wav"
     sf.write(short, np.zeros(11999, dtype=np.float32), 24000)
-    with pytest.raises(AudioInputError, match=r"short.wav is too short \(0.50 s\)"):
+    with pytest.raises(AudioInputError, match=r"short.wav is too short \(0.499 s\)"):  # never shown as 0.50
         load_reference_audio(short)
+    with pytest.raises(AudioInputError, match=r"is too long \(2.001 s\); at most 2 s"):  # was "(2.0 s); at most 2 s"
+        decode_reference_audio(_wav_bytes(np.zeros(48010, dtype=np.float32), 24000), "long", max_seconds=2)
     directory = tmp_path / "dir.wav"
     directory.mkdir()
     with pytest.raises(AudioInputError, match="not found"):
@@ -264,3 +266,9 @@ def test_load_reference_audio_errors(tmp_path):
     sf.write(silent, np.zeros(12000, dtype=np.float32), 24000)  # exactly 0.5 s of silence is accepted
     audio, sr = load_reference_audio(silent)
     assert audio.shape == (12000,) and sr == 24000
+
+
+def _wav_bytes(samples: np.ndarray, rate: int) -> bytes:
+    out = io.BytesIO()
+    sf.write(out, samples, rate, format="WAV")
+    return out.getvalue()

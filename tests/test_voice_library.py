@@ -202,7 +202,9 @@ def test_bad_uploads_get_specific_errors(base_model, tmp_path, one_thread):
         assert upload(server, "taken", wav()).status_code == 201
         cases = {
             "too short": (upload(server, "a", wav(MIN_AUDIO_SECONDS - 0.1)), 400, "audio_too_short"),
-            "too long": (upload(server, "a", wav(MAX_AUDIO_SECONDS + 1, rate=4000)), 400, "audio_too_long"),
+            "too long": (upload(server, "a", wav(MAX_AUDIO_SECONDS + 1, rate=8000, fmt="FLAC")), 400,
+                         "audio_too_long"),
+            "a rate no voice has": (upload(server, "a", wav(2, rate=1)), 400, "invalid_audio"),  # was too long
             "silent": (upload(server, "a", wav(amplitude=0.0)), 400, "audio_silent"),
             "nearly silent": (upload(server, "a", wav(amplitude=0.002)), 400, "audio_silent"),
             "not audio": (upload(server, "a", b"RIFF, but not really a WAV file" * 20), 400, "invalid_audio"),

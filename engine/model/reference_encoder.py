@@ -74,12 +74,15 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
             if rate > MAX_REFERENCE_RATE:
                 raise UnreadableAudio(f"{name} has a sample rate of {rate} Hz; at most {MAX_REFERENCE_RATE} Hz is "
                                       "taken")
+            if rate < MIN_REFERENCE_RATE:  # from the header, before its length (1 Hz read as hours: "too long")
+                raise UnreadableAudio(f"{name} has a sample rate of {rate} Hz; speech needs at least "
+                                      f"{MIN_REFERENCE_RATE} Hz")
             if file.channels > MAX_REFERENCE_CHANNELS:
                 raise UnreadableAudio(f"{name} has {file.channels} channels; at most {MAX_REFERENCE_CHANNELS} are "
                                       "taken")
             if max_seconds is not None and file.frames / rate > max_seconds:
-                raise ReferenceTooLong(f"{name} is too long ({file.frames / rate:.1f} s); at most {max_seconds:g} s "
-                                       "is taken")
+                raise ReferenceTooLong(f"{name} is too long ({math.ceil(file.frames / rate * 1000) / 1000:g} s); "
+                                       f"at most {max_seconds:g} s is taken")
             audio = file.read(dtype="float32", always_2d=True)
     except AudioInputError:
         raise
@@ -92,12 +95,10 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
     mono = audio.mean(axis=1) if audio.shape[1] > 1 else audio[:, 0]
     seconds = mono.size / rate
     if seconds < max(min_seconds, MIN_REFERENCE_SECONDS):
-        raise ReferenceTooShort(f"{name} is too short ({seconds:.2f} s); at least "
-                                f"{max(min_seconds, MIN_REFERENCE_SECONDS):g} s is needed")
+        raise ReferenceTooShort(f"{name} is too short ({math.floor(seconds * 1000) / 1000:g} s); at least "
+                                f"{max(min_seconds, MIN_REFERENCE_SECONDS):g} s is needed")  # never shown as the bound
     if not np.isfinite(mono).all():
         raise UnreadableAudio(f"{name} contains NaN or infinite samples")
-    if rate < MIN_REFERENCE_RATE:
-        raise UnreadableAudio(f"{name} has a sample rate of {rate} Hz; speech needs at least {MIN_REFERENCE_RATE} Hz")
     peak = float(np.abs(mono).max())
     if peak > MAX_REFERENCE_PEAK:
         raise UnreadableAudio(f"{name} has samples up to {peak:.3g}: audio is within [-1, 1] (at most "
