@@ -29,8 +29,8 @@ from engine.serving.heap import SERVING_THRESHOLDS, freeze_long_lived, thaw
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
 from realtime.audio.encoder_pool import EncoderPool
-from realtime.auth import same_key
 from realtime.audio.ffmpeg import use_one_thread
+from realtime.auth import same_key
 from realtime.lexicon import Lexicon, LexiconStore
 from realtime.lexicons_http import HTTP_RULES_RATE
 from realtime.llm import LLMConfig

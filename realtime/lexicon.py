@@ -155,26 +155,26 @@ class Tries:
         """The trie of `rules`, shared or built; `bounded`: it counts against `max_nodes` (an inline lexicon's; a
         stored one's is bounded by the store)."""
         with self._lock:
-            root = self._alive.get(rules)
+            trie = self._alive.get(rules)
             size = sum(len(rule.term) for rule in rules) + 1 if bounded else 0  # at most its nodes, known before
-            if root is None:
+            if trie is None:
                 self._reserve(size)
-        if root is None:  # built outside the lock: the other threads and the event loop go on meanwhile
+        if trie is None:  # built outside the lock: the other threads and the event loop go on meanwhile
             try:
-                root = _trie(rules)
+                trie = _trie(rules)
             except BaseException:
                 with self._lock:
                     self.nodes -= size
                 raise
             with self._lock:  # the reservation becomes the count, in one step (another thread may have won)
                 self.nodes -= size
-                root = self._alive.get(rules) or self._adopt(rules, root, len(root), bounded)
+                trie = self._alive.get(rules) or self._adopt(rules, trie, len(trie), bounded)
         with self._lock:
-            self._recent[rules] = root
+            self._recent[rules] = trie
             self._recent.move_to_end(rules)
             while len(self._recent) > self.keep:
                 self._recent.popitem(last=False)
-        return root
+        return trie
 
     def _reserve(self, size: int) -> None:
         self._check_room(size)
@@ -187,21 +187,21 @@ class Tries:
 
     def _check_room(self, size: int) -> None:
         if self.nodes + size > self.max_nodes:
-            self._recent.clear()  # what is kept only for reuse goes first; a trie's links make cycles, so the
-            if time.monotonic() - self._collected_at > COLLECT_INTERVAL_S:  # tries no lexicon holds wait for the
-                self._collected_at = time.monotonic()  # collector: run it under pressure, at most so often (a
-                gc.collect()  # full collection takes ~0.3-1 s with many tries alive)
+            self._recent.clear()  # what is kept only for reuse goes first; a trie has no cycle, but an ended
+            if time.monotonic() - self._collected_at > COLLECT_INTERVAL_S:  # session's lexicon may wait in its
+                self._collected_at = time.monotonic()  # cyclic garbage for the collector: run it under pressure,
+                gc.collect()  # at most so often (tries add none of their nodes to its walk)
             if self.nodes + size > self.max_nodes:
                 raise LexiconsBusy("the server holds as many distinct lexicons as it can (its sessions' and those "
                                    "replaced while in use); share one (a stored lexicon, the same rules) or retry "
                                    "when other sessions have ended")
 
-    def _adopt(self, rules: tuple[Rule, ...], root: _Trie, size: int, bounded: bool) -> _Trie:
+    def _adopt(self, rules: tuple[Rule, ...], trie: _Trie, size: int, bounded: bool) -> _Trie:
         count = self._counts[rules] = _Count(size, size if bounded else 0)
         self.nodes += count.counted
-        weakref.finalize(root, self._released, rules, count)
-        self._alive[rules] = root
-        return root
+        weakref.finalize(trie, self._released, rules, count)
+        self._alive[rules] = trie
+        return trie
 
     def uncounted(self, rules: tuple[Rule, ...]) -> int:
         """The nodes of the trie of `rules` that do not count against the bound (a stored lexicon's; 0 if none)."""

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient, Omit, OpenAIError, Timeout
 from openai.types.chat import ChatCompletionChunk
 
-# the HTTP client package the SDK is built on (httpx, or its fork httpx2 in openai 3.x): the transport and the body
-# below must be its classes
+# the HTTP client package the SDK is built on (httpx, or its fork httpx2 in openai 3.x), the package of the client
+# class the SDK's default client derives from: a response's body must be its AsyncByteStream
 _http = importlib.import_module(DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
 
 CONNECT_TIMEOUT_S = 10.0
@@ -48,16 +48,17 @@ def new_llm_client(config: LLMConfig) -> AsyncOpenAI:
     user asks again."""
     return AsyncOpenAI(base_url=config.base_url, api_key=config.api_key or NO_KEY, max_retries=0,
                        timeout=Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-                       http_client=DefaultAsyncHttpxClient(transport=_BoundedTransport()))
+                       http_client=DefaultAsyncHttpxClient(headers={"Accept-Encoding": "identity"},
+                                                           event_hooks={"response": [bound_body]}))
 
 
-class _BoundedTransport(_http.AsyncHTTPTransport):
-    """Each response's body read through `_BoundedBody`."""
-
-    async def handle_async_request(self, request: _http.Request) -> _http.Response:
-        response = await super().handle_async_request(request)
-        response.stream = _BoundedBody(response.stream)
-        return response
+async def bound_body(response: _http.Response) -> None:
+    """Reads the response's body through `_BoundedBody` (a hook, so that the client keeps its own transport, proxies
+    and limits). The body must come uncompressed: the bounds count what the SDK will gather."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise LLMError(f"the LLM answered with a {encoding[:32]!r}-encoded body although none was accepted")
+    response.stream = _BoundedBody(response.stream)
 
 
 class _BoundedBody(_http.AsyncByteStream):
@@ -74,7 +75,7 @@ class _BoundedBody(_http.AsyncByteStream):
             lines = data.split(b"\n")
             line += len(lines[0])
             if len(lines) > 1:
-                line = max(line, *map(len, lines[1:-1]))
+                line = max([line, *map(len, lines[1:-1])])  # the lines this piece holds whole
             if line > MAX_EVENT_BYTES:
                 raise LLMError(f"the LLM sent an event of more than {MAX_EVENT_BYTES} bytes")
             if total > MAX_REPLY_BYTES:

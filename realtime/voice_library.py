@@ -36,6 +36,7 @@ SILENCE_DBFS = -50.0  # a reference whose loudest 20 ms window is quieter than t
 SILENCE_WINDOW_S = 0.02
 MAX_TEXT_FIELD_BYTES = 16 * 1024  # a text field of the form (transcript, instruction) past this is malformed
 MAX_FORM_FIELDS = 8
+MAX_DELIMITERS = MAX_FORM_FIELDS + 2  # one a part (the fields and a file), and the closing one
 FIELDS = ("name", "audio", "transcript", "instruction")
 UPLOAD_VARIANTS = ("base", "voice_design")
 
@@ -52,6 +53,10 @@ class UploadTooLarge(Exception):
     """The body passed the upload size limit while it was being read."""
 
 
+class TooManyDelimiters(Exception):
+    """The body's boundary came more often than a form the endpoint takes has parts."""
+
+
 async def read_upload(request: Request, max_bytes: int) -> VoiceUpload:
     """The form of a POST /v1/audio/voices, read no further than `max_bytes`; raises HTTPFailure naming the problem
     (413 `upload_too_large` past the limit, 400 `invalid_message` for a malformed form or field)."""
@@ -65,15 +70,17 @@ async def read_upload(request: Request, max_bytes: int) -> VoiceUpload:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
-    try:
-        body = b"".join([piece async for piece in _capped(request.stream(), max_bytes)])
-    except UploadTooLarge:
-        raise _too_large(max_bytes) from None
-    _check_delimiters(body, options.get(b"boundary"))
-    parser = _Utf8FormParser(request.headers, _pieces(body), max_files=1, max_fields=MAX_FORM_FIELDS,
+    body = _delimited(_capped(request.stream(), max_bytes), options.get(b"boundary"))
+    parser = _Utf8FormParser(request.headers, body, max_files=1, max_fields=MAX_FORM_FIELDS,
                              max_part_size=MAX_TEXT_FIELD_BYTES)
     try:
         form = await parser.parse()
+    except UploadTooLarge:
+        raise _too_large(max_bytes) from None
+    except TooManyDelimiters:
+        raise voice_failure("invalid_message", f"malformed multipart form: its boundary occurs more than "
+                                               f"{MAX_DELIMITERS} times; a form takes at most {MAX_FORM_FIELDS} "
+                                               "fields and a file") from None
     except MultiPartException as failure:
         raise voice_failure("invalid_message", f"malformed multipart form: {failure.message}") from None
     try:
@@ -122,22 +129,24 @@ class _Utf8FormParser(MultiPartParser):
         super().on_part_end()
 
 
-def _check_delimiters(body: bytes, boundary: bytes | None) -> None:
-    """A form of at most MAX_FORM_FIELDS parts has as many delimiters and a closing one. The parser takes every
-    delimiter not followed by a line end or "--" as data byte by byte, in Python, on the event loop: a body of them
-    (`\r\n--a` + `x`, over and over, with boundary `a`) cost it 25x a plain body, 1.7 s for 16 MiB, and made another
-    client's stream underrun (a hostile try). Counted first, at C speed."""
-    if not boundary:
-        return  # the parser names what is missing
-    delimiters = body.count(b"--" + boundary)
-    if delimiters > MAX_FORM_FIELDS + 1:
-        raise voice_failure("invalid_message", f"malformed multipart form: its boundary occurs {delimiters} times; a "
-                                               f"form takes at most {MAX_FORM_FIELDS} parts")
-
-
-async def _pieces(body: bytes, size: int = 1 << 16) -> AsyncIterator[bytes]:
-    for start in range(0, len(body), size):
-        yield body[start:start + size]
+async def _delimited(stream: AsyncIterator[bytes], boundary: bytes | None) -> AsyncIterator[bytes]:
+    """The body, counting its delimiters as it passes (at C speed, across reads): past MAX_DELIMITERS it raises
+    TooManyDelimiters before the parser reads on. The parser takes every delimiter not followed by a line end or
+    "--" as data byte by byte, in Python, on the event loop: a body of them (`\r\n--a` + `x`, over and over, with
+    boundary `a`) cost it 25x a plain body, 1.7 s for 16 MiB, and made another client's stream underrun (a hostile
+    try)."""
+    if not boundary:  # the parser names what is missing
+        async for piece in stream:
+            yield piece
+        return
+    delimiter, seen, tail = b"--" + boundary, 0, b""
+    async for piece in stream:
+        window = tail + piece  # the tail is too short to hold a delimiter: none is counted twice
+        seen += window.count(delimiter)
+        if seen > MAX_DELIMITERS:
+            raise TooManyDelimiters()
+        tail = window[1 - len(delimiter):]
+        yield piece
 
 
 async def _capped(stream: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[bytes]:

@@ -450,11 +450,11 @@ async def _reply(url: str) -> str:
     return "".join([piece async for piece in pieces])
 
 
-@pytest.mark.parametrize("reply, cap, refusal", [
-    (["fine ", "x" * 3000], "MAX_EVENT_BYTES", "an event of more than 1000 bytes"),  # one huge event
-    ([""] * 400, "MAX_REPLY_BYTES", "reply passed 20000 bytes"),  # events without text, endlessly
+@pytest.mark.parametrize("reply, refusal", [
+    (["fine ", "x" * 3000], "an event of more than 1000 bytes"),  # one huge event
+    ([""] * 400, "reply passed 20000 bytes"),  # events without text, endlessly
 ])
-def test_an_llm_that_sends_too_much_is_cut_off_before_its_events_are_gathered(monkeypatch, reply, cap, refusal):
+def test_an_llm_that_sends_too_much_is_cut_off_before_its_events_are_gathered(monkeypatch, reply, refusal):
     """A hostile try's LLM sent one 200 MB event (the gateway's loop held 3 s, 430 MB kept) or 200,000 empty chunks
     (9 s): the reply's body is bounded as it is read, per line and in all (lowered here), and the turn ends with an
     LLMError naming the bound; a reply within the bounds is read whole."""
@@ -465,3 +465,43 @@ def test_an_llm_that_sends_too_much_is_cut_off_before_its_events_are_gathered(mo
             asyncio.run(_reply(fake.url))
     with running_fake_llm(["a ", "b" * 500, " c"], token_delay_s=0) as fake:
         assert asyncio.run(_reply(fake.url)) == "a " + "b" * 500 + " c"
+
+
+class _Pieces:
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def __aiter__(self):
+        for piece in self.pieces:
+            yield piece
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _through_bound(pieces: list[bytes]) -> bytes:
+    return b"".join([data async for data in llm_module._BoundedBody(_Pieces(pieces))])
+
+
+def test_the_bounded_body_counts_lines_however_the_stream_is_cut(monkeypatch):
+    """A valid event stream passes unchanged at every split into two reads (a read that held one line end raised a
+    TypeError once: the turn ended `internal`), and a line over the bound is refused at every split."""
+    monkeypatch.setattr(llm_module, "MAX_EVENT_BYTES", 64)
+    valid = b"event: x\ndata: " + b"a" * 50 + b"\n\r\ndata: [DONE]\n\n"
+    long = b"data: ok\n\ndata: " + b"b" * 70 + b"\n\n"
+    for at in range(len(valid) + 1):
+        assert asyncio.run(_through_bound([valid[:at], valid[at:]])) == valid
+    for at in range(len(long) + 1):
+        with pytest.raises(LLMError, match="more than 64 bytes"):
+            asyncio.run(_through_bound([long[:at], long[at:]]))
+
+
+def test_a_compressed_llm_body_is_refused_before_it_is_read():
+    """The bounds count the bytes read: a gzip body of 200 KB could expand to 200 MB past them (the client asks for
+    an uncompressed body)."""
+    response = llm_module._http.Response(200, headers={"content-encoding": "gzip"}, content=b"")
+    with pytest.raises(LLMError, match="'gzip'-encoded body"):
+        asyncio.run(llm_module.bound_body(response))
+    plain = llm_module._http.Response(200, content=b"data: [DONE]\n\n")
+    asyncio.run(llm_module.bound_body(plain))
+    assert isinstance(plain.stream, llm_module._BoundedBody)
