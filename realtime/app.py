@@ -23,10 +23,10 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from realtime.auth import Auth, KeyRefused, OriginRefused
+from realtime.auth import Auth, KeyRefused, OriginRefused, same_key
 from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
-from realtime.gateway import Gateway
+from realtime.gateway import Gateway, Limits
 from realtime.lexicons_http import delete_lexicon, list_lexicons, show_lexicon, store_lexicon
 from realtime.speech_http import read_speech_request, start_speech
 from realtime.speech_response import CLIENT_GONE, CountedStream, Delivery, speech_response
@@ -164,18 +164,18 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def chat(websocket: WebSocket) -> None:
         await websocket.accept()
-        refusal = _access_refusal(websocket, auth)
-        if refusal is None and gateway.chat_sockets >= gateway.limits.max_sessions:  # one a page, beside its session
-            refusal = ProtocolError("overloaded", f"the server has its maximum of {gateway.limits.max_sessions} chat "
-                                                  "sockets; retry later", fatal=True), CLOSE_OVERLOADED
+        owner = auth.key(websocket)
+        refusal = _access_refusal(websocket, auth) or _room_refusal(
+            "chat sockets", len(gateway.chat_owners), sum(same_key(open_, owner) for open_ in gateway.chat_owners),
+            gateway.limits)  # one a page, beside its session
         if refusal is not None:
             await _refuse(websocket, gateway, *refusal)
             return
-        gateway.chat_sockets += 1
+        gateway.chat_owners.append(owner)
         try:
-            await ChatSocket(websocket, gateway, gateway.options.llm, owner=auth.key(websocket)).run()
+            await ChatSocket(websocket, gateway, gateway.options.llm, owner=owner).run()
         finally:
-            gateway.chat_sockets -= 1
+            gateway.chat_owners.remove(owner)
 
     async def demo_page(request: Request) -> Response:
         return FileResponse(WEB_DIR / "index.html")
@@ -366,12 +366,18 @@ def _socket_refusal(websocket: WebSocket, gateway: Gateway, auth: Auth) -> tuple
     is_ready, reason = gateway.readiness()
     if not is_ready:
         return ProtocolError("overloaded", f"not ready ({reason}); retry later", fatal=True), CLOSE_OVERLOADED
-    if len(gateway.sessions) >= gateway.limits.max_sessions:
-        return ProtocolError("overloaded", f"the server has its maximum of {gateway.limits.max_sessions} "
-                                           "sessions; retry later", fatal=True), CLOSE_OVERLOADED
-    per_key = gateway.limits.max_sessions_per_key
-    if per_key is not None and gateway.sessions_of(auth.key(websocket)) >= per_key:
-        return ProtocolError("overloaded", f"this API key has its maximum of {per_key} open sessions "
+    return _room_refusal("sessions", len(gateway.sessions), gateway.sessions_of(auth.key(websocket)), gateway.limits)
+
+
+def _room_refusal(kind: str, open_: int, of_key: int, limits: Limits) -> tuple[ProtocolError, int] | None:
+    """`kind` (sessions, chat sockets) are capped at `--max-sessions` open, and `--max-sessions-per-key` of one
+    key's (`of_key` of the `open_` are the connecting key's)."""
+    if open_ >= limits.max_sessions:
+        return ProtocolError("overloaded", f"the server has its maximum of {limits.max_sessions} {kind}; retry "
+                                           "later", fatal=True), CLOSE_OVERLOADED
+    per_key = limits.max_sessions_per_key
+    if per_key is not None and of_key >= per_key:
+        return ProtocolError("overloaded", f"this API key has its maximum of {per_key} open {kind} "
                                            "(--max-sessions-per-key); close one or retry later",
                              fatal=True), CLOSE_OVERLOADED
     return None

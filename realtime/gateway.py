@@ -176,7 +176,7 @@ class Gateway:
         self.engine: AsyncEngine | ProcessEngine | None = None
         self.encoders = EncoderPool(options.encoder_workers)  # the sockets' audio encoding, in processes of its own
         self.sessions: set = set()
-        self.chat_sockets = 0  # open `/v1/chat` sockets (at most max_sessions)
+        self.chat_owners: list[str | None] = []  # the API key of each open `/v1/chat` socket (at most max_sessions)
         self.lexicons = LexiconStore()  # named pronunciation lexicons, in memory
         self.http_lexicon_rules = RateLimiter(HTTP_RULES_RATE)  # the rules HTTP requests may have compiled
         self.shutting_down = False

@@ -337,7 +337,7 @@ def test_session_and_connection_limits_follow_the_engine_slots():
 def test_one_api_key_cannot_take_every_session():
     """--max-sessions-per-key: a key's sessions past the limit get error{overloaded} naming it and 1013, while
     another key still opens; a closed session gives its key the room back. The key may come as a header or as
-    `?token=`: they count as one."""
+    `?token=`: they count as one. Chat sockets are capped the same way (a review: one key could take them all)."""
     with running_server(Limits(api_keys=("tenant-a", "tenant-b"), max_sessions_per_key=2)) as server:
         def opening(key: str, header: bool = True):
             if header:
@@ -361,7 +361,20 @@ def test_one_api_key_cannot_take_every_session():
                     await asyncio.sleep(0.05)
                 async with opening("tenant-a") as again:
                     assert json.loads(await again.recv())["type"] == "session.started"
+
+        async def chats() -> None:  # a page's chat socket beside its session: capped the same way
+            url = server.ws.replace("/v1/tts/stream", "/v1/chat") + "?token="
+            async with connect(url + "tenant-a") as first, connect(url + "tenant-a") as second:
+                for chat in (first, second):
+                    assert json.loads(await chat.recv())["type"] == "chat.ready"
+                async with connect(url + "tenant-a") as third:
+                    events, code = await closing_events(third)
+                    assert code == 1013 and events[-1]["code"] == "overloaded"
+                    assert "this API key has its maximum of 2 open chat sockets" in events[-1]["message"]
+                async with connect(url + "tenant-b") as other:
+                    assert json.loads(await other.recv())["type"] == "chat.ready"
         asyncio.run(go())
+        asyncio.run(chats())
 
 
 async def context_done(ws, context_id: str) -> list[dict]:
