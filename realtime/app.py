@@ -23,7 +23,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from realtime.auth import Auth, KeyRefused, OriginRefused, same_key
+from realtime.auth import Auth, KeyRefused, OriginRefused
 from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway, Limits
@@ -165,9 +165,8 @@ def create_app(gateway: Gateway) -> Starlette:
     async def chat(websocket: WebSocket) -> None:
         await websocket.accept()
         owner = auth.key(websocket)
-        refusal = _access_refusal(websocket, auth) or _room_refusal(
-            "chat sockets", len(gateway.chat_owners), sum(same_key(open_, owner) for open_ in gateway.chat_owners),
-            gateway.limits)  # one a page, beside its session
+        refusal = _access_refusal(websocket, auth) or _room_refusal(  # one a page, beside its session
+            "chat sockets", len(gateway.chat_owners), gateway.chat_sockets_of(owner), gateway.limits)
         if refusal is not None:
             await _refuse(websocket, gateway, *refusal)
             return

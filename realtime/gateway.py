@@ -197,6 +197,10 @@ class Gateway:
         """The open sessions opened with this API key (`--max-sessions-per-key`)."""
         return sum(1 for session in self.sessions if same_key(session.owner, key))
 
+    def chat_sockets_of(self, key: str | None) -> int:
+        """The open `/v1/chat` sockets opened with this API key (`--max-sessions-per-key`)."""
+        return sum(1 for owner in self.chat_owners if same_key(owner, key))
+
     @property
     def model_name(self) -> str:
         return self._model_name

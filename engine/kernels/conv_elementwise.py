@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.attention import MIN_DOT
 from engine.kernels.layer_ops import _rounded
 
 TILE = 4096  # elements a program writes: BLOCK_T time columns by BLOCK_C channels
@@ -29,7 +30,6 @@ POINTWISE_BLOCK_M = 64 * 2
 MAX_BLOCK_N = 128
 POINTWISE_BLOCK_K = 32
 POINTWISE_WARPS, POINTWISE_STAGES = 8, 3
-MIN_DOT = 16  # tl.dot's smallest side
 
 
 @triton.jit
