@@ -3,7 +3,7 @@
 Profiles the eager step (so every kernel is visible with its own duration) and times the graphed step, at each
 batch size and frame path given; `--ops` times instead each matmul shape and the decode attention of the step alone
 (`triton.testing.do_bench`, L2 flushed between runs), with the bandwidth it reaches and its share of a step;
-`--decoder 1x1,128x4` profiles the eager codec decoder's kernels per call instead.
+`--decoder 1x1,128x4` profiles the graphed codec decoder's kernels per call instead.
 Usage: python scripts/profile_step.py --size 1b7 --batches 1,64 [--ops | --decoder 1x1,128x4]
 """
 from __future__ import annotations
@@ -111,12 +111,13 @@ def op_table(tts: TTSModel, batch: int, talker_length: int = 300) -> dict:
 
 
 def decoder_table(tts: TTSModel, batch: int, frames: int) -> dict:
-    """The eager codec decoder's kernels for one streaming call of `frames` frames at `batch` rows."""
-    cfg = tts.decoder.cfg
-    codes = torch.randint(0, cfg.codebook_size, (batch, frames, cfg.num_quantizers), device=tts.device)
-    state = tts.decoder.new_state(batch, tts.device, tts.dtype)
-    with torch.inference_mode():
-        return dict(decoder=f"{batch}x{frames}", **kernel_table(lambda: tts.decoder.decode_step(codes, state), 3))
+    """The codec decoder's kernels for one streaming call of `frames` frames at `batch` rows, as the engine runs it:
+    the decoder pool's CUDA graph of the fast path (its kernels are profiled one by one inside the replay)."""
+    from engine.core.codec_decoding import DecoderPool
+    pool = DecoderPool(tts.decoder, batch, tts.device, tts.dtype, capture=True, chunk_lengths=(frames,))
+    codes = torch.randint(0, tts.decoder.cfg.codebook_size, (batch, frames, tts.decoder.cfg.num_quantizers))
+    slots = list(range(batch))
+    return dict(decoder=f"{batch}x{frames}", **kernel_table(lambda: pool.decode(slots, codes), 3))
 
 
 def main() -> None:
@@ -126,7 +127,7 @@ def main() -> None:
     parser.add_argument("--frame-paths", default="torch,triton")
     parser.add_argument("--ops", action="store_true", help="time each matmul shape and the attention alone")
     parser.add_argument("--decoder", type=lambda s: [tuple(int(x) for x in b.split("x")) for b in s.split(",")],
-                        help="profile the eager codec decoder instead, at BATCHxFRAMES shapes (1x1,128x4)")
+                        help="profile the graphed codec decoder instead, at BATCHxFRAMES shapes (1x1,128x4)")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model_dir = write_random_checkpoint(Path(tmp.name) / "ckpt", args.size, "custom_voice", seed=0)

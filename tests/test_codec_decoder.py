@@ -183,3 +183,36 @@ def test_a_call_past_the_largest_graph_decodes_in_slices_of_it(decoder: CodecDec
         assert relative_error(sliced, expected) < 1e-5
         for row in range(rows):  # no row holds another's (a slice overwritten by a later replay before it was copied)
             assert relative_error(sliced[row], expected[row]) < 1e-4
+
+
+@torch.inference_mode()
+def test_the_pools_rows_carry_each_slots_state(decoder: CodecDecoder) -> None:
+    """A slot's whole state is one row of the pool (`PackedState`), gathered, decoded into a second batch of rows and
+    scattered back. Requests decoded in changing groups, slots out of order, past the 72-frame window, and a slot
+    reset and reused mid-way: each request hears its offline decode, and a slot's neighbours never leak into it."""
+    pool = DecoderPool(decoder, 4, torch.device("cpu"), torch.float32)
+    codes = random_codes(100, batch=4, seed=7)
+    slot_of = {0: 2, 1: 0, 2: 3}  # request -> slot; request 3 takes request 0's slot once it is done
+    heard: dict[int, list[torch.Tensor]] = {request: [] for request in range(4)}
+    cursor = dict.fromkeys(range(4), 0)
+
+    def call(requests: list[int], frames: int) -> None:
+        chunk = torch.cat([codes[r:r + 1, cursor[r]:cursor[r] + frames] for r in requests])
+        for request, audio in zip(requests, pool.decode([slot_of[r] for r in requests], chunk)):
+            heard[request].append(audio)
+            cursor[request] += frames
+
+    call([0, 1], 3)
+    call([1], 1)
+    call([2, 0, 1], 2)
+    for _ in range(19):
+        call([0, 2, 1], 4)  # 79 frames of request 0: past the window
+    call([0], 1)
+    pool.reset([slot_of[0]])
+    slot_of[3] = slot_of.pop(0)
+    call([3, 1], 2)
+    call([1, 3], 5)
+    for request in range(4):
+        frames = cursor[request]
+        expected = decoder.decode(codes[request:request + 1, :frames])[0]
+        assert frames and relative_error(torch.cat(heard[request]), expected) < 1e-5, request

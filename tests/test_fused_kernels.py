@@ -13,6 +13,7 @@ from engine.kernels.few_rows_linear import few_rows_linear
 from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
 from engine.kernels.conv_elementwise import _grid, add_bias_residual, snake_padded
+from engine.kernels.rows import copy_rows
 from engine.kernels.window_attention import window_attention
 from engine.model.codec_decoder import DecoderState, ResidualUnit, SnakeBeta, WindowAttention, window_mask
 from engine.model.layers import Attention, LayerScale, RMSNorm, RotaryEmbedding, apply_rope
@@ -111,6 +112,23 @@ def test_fused_sampler_picks_the_ids_of_the_reference_sampler(dtype):
         assert torch.equal(fused_choose(logits, params, seeds, frames, group), expected)
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3), vocab=st.integers(2, 3072), top_k=st.integers(0, 3100), top_p=st.floats(0.0, 1.0),
+       temperature=st.floats(0.05, 3.0), steps=st.sampled_from([0.0, 0.5, 2.0]), seed=st.integers(-2**62, 2**62))
+def test_fused_sampler_picks_the_reference_ids_for_any_settings(rows, vocab, top_k, top_p, temperature, steps, seed):
+    """Generated vocabularies (the code predictor's 2,048 and the talker's 3,072 among them), cut-offs, temperatures
+    and logits rounded onto a grid (`steps`: many ties at the cut-offs) against `sampling.choose`."""
+    generator = torch.Generator().manual_seed(abs(seed) % 2**32)
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    if steps:
+        logits = torch.round(logits * steps) / steps
+    params = SamplerBatch(do_sample=torch.ones(rows, dtype=torch.bool), temperature=torch.full((rows,), temperature),
+                          top_k=torch.full((rows,), top_k), top_p=torch.full((rows,), top_p))
+    seeds, frames = torch.full((rows,), seed), torch.arange(rows)
+    expected = choose(logits, params, seeds, draw_counter(frames, 3))
+    assert torch.equal(fused_choose(logits, params, seeds, frames, 3), expected)
+
+
 @pytest.mark.parametrize("context, has_past", [(6, True), (54, True), (6, False), (1, True), (0, False)])
 def test_snake_padded_is_snake_beta_after_the_remembered_columns(context, has_past):
     """fp32 only: in bf16 the chain's five roundings and sin's amplification of a one-ulp change make the
@@ -144,12 +162,14 @@ def test_snake_padded_reads_a_time_slice_of_a_wider_tensor():
 @settings(max_examples=25, deadline=None)
 @given(channels=st.integers(1, 130), frames=st.integers(1, 70), context=st.integers(0, 60),
        activate=st.booleans(), has_past=st.booleans(), has_bias=st.booleans(), x_minor=st.booleans(),
-       past_minor=st.booleans(), out_minor=st.booleans(), trim=st.integers(0, 5), seed=st.integers(0, 2**16))
+       past_minor=st.booleans(), out_minor=st.booleans(), trim=st.integers(0, 5), tail_minor=st.sampled_from(
+           [None, False, True]), seed=st.integers(0, 2**16))
 def test_snake_padded_in_any_layout(channels, frames, context, activate, has_past, has_bias, x_minor, past_minor,
-                                    out_minor, trim, seed):
-    """Inputs in either layout (channels-minor as the convolutions write them, time-minor as the decoder's state
-    pool gathers them, a trimmed view), with or without a bias and SnakeBeta, give the same values as PyTorch's
-    bias add, SnakeBeta and cat, written in the layout asked: dense, and channels-minor where asked."""
+                                    out_minor, trim, tail_minor, seed):
+    """Inputs in either layout (channels-minor as the convolutions write them, time-minor, a trimmed view), with or
+    without a bias and SnakeBeta, give the same values as PyTorch's bias add, SnakeBeta and cat, written in the
+    layout asked: dense, and channels-minor where asked; the last `context` columns copied into a tail in either
+    layout where one is given (the decoder pool's rows), nothing else of it written."""
     generator = torch.Generator().manual_seed(seed)
     snake = SnakeBeta(channels)
     snake.alpha.data, snake.beta.data = torch.randn(2, channels, generator=generator) * 0.5
@@ -159,13 +179,21 @@ def test_snake_padded_in_any_layout(channels, frames, context, activate, has_pas
         past = _channels_minor_or_not(past, past_minor)
     bias = torch.randn(channels, generator=generator) if has_bias else None
     alpha, beta = (snake.alpha, snake.beta) if activate else (None, None)
-    out = snake_padded(x, alpha, beta, past, context, channels_minor=out_minor, bias=bias)
+    tail = None
+    if tail_minor is not None:  # a view of a wider buffer, as a row of the pool is
+        buffer = torch.full((2, context + 3, channels + 2) if tail_minor else (2, channels + 2, context + 3), torch.nan)
+        tail = (buffer[:, 1:context + 1, 1:channels + 1].transpose(1, 2) if tail_minor
+                else buffer[:, 1:channels + 1, 1:context + 1])
+    out = snake_padded(x, alpha, beta, past, context, channels_minor=out_minor, bias=bias, tail=tail)
     new = x if bias is None else x + bias[:, None]
     expected = torch.cat((torch.zeros(2, channels, context) if past is None else past,
                           snake(new) if activate else new), dim=-1)
     assert out.shape == expected.shape
     assert out.transpose(1, 2).is_contiguous() if out_minor else out.is_contiguous()
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    if tail is not None:
+        assert torch.equal(tail, out[..., out.shape[-1] - context:])
+        assert buffer.isnan().sum() == buffer.numel() - tail.numel()
 
 
 @settings(max_examples=20, deadline=None)
@@ -329,13 +357,35 @@ def test_window_attention_is_the_decoder_transformers_attention(dtype, heads, ro
     cos, sin = RotaryEmbedding(dim, 10000.0)(position[:, None] + torch.arange(frames)[None], dtype)
     state = DecoderState(position=position, keys=[past_keys.clone()], values=[past_values.clone()])
     expected = attention(x, cos, sin, window_mask(position, frames, window), state, 0)
+    outs = [torch.full((rows, kv_heads + 1, window, dim), torch.nan, dtype=dtype)[:, 1:] for _ in range(2)]
     out, keys, values = window_attention(F.linear(x, *attention._qkv()), cos, sin, past_keys, past_values, position,
-                                         attention.heads)
+                                         attention.heads, *(outs if seed % 2 else ()))
     torch.testing.assert_close(keys, state.keys[0], **tolerance(dtype))
     assert torch.equal(values, state.values[0])  # moved, never computed
+    if seed % 2:  # written where given (the decoder pool's rows: other strides than the past's)
+        assert keys is outs[0] and values is outs[1]
     if dtype == torch.float32:
         torch.testing.assert_close(attention.o_proj(out), expected, **tolerance(dtype))
     else:  # a key a bf16 step apart moves every weight a little, and the interpreter truncates each of the ~6
         # roundings where the GPU rounds to nearest (up to 2^-7 each): the whole output within a few of those
         difference = (attention.o_proj(out) - expected).float().norm() / expected.float().norm()
         assert difference < 5e-2, difference
+
+
+@settings(max_examples=20, deadline=None)
+@given(pool_rows=st.integers(1, 6), width=st.integers(1, 9000), data=st.data())
+def test_copy_rows_gathers_and_scatters_by_index(pool_rows, width, data):
+    """The decoder pool's gather and scatter: rows chosen by index, any order, into a dense batch and back; rows
+    not named are left as they were. Widths across the kernel's block (4,096)."""
+    generator = torch.Generator().manual_seed(width)
+    pool = torch.randn(pool_rows, width, generator=generator)
+    chosen = data.draw(st.lists(st.integers(0, pool_rows - 1), min_size=1, max_size=pool_rows, unique=True))
+    index, dense = torch.tensor(chosen), torch.arange(len(chosen))
+    batch = torch.empty(len(chosen), width)
+    copy_rows(pool, index, batch, dense)
+    assert torch.equal(batch, pool[index])
+    updated, before = torch.randn(len(chosen), width, generator=generator), pool.clone()
+    copy_rows(updated, dense, pool, index)
+    expected = before.clone()
+    expected[index] = updated
+    assert torch.equal(pool, expected)

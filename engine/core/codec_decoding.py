@@ -2,7 +2,9 @@
 
 Each slot keeps its own exact streaming state (sliding-window K/V, conv histories, position); a decode call gathers
 the states of the requests it serves, runs them as one batch and scatters them back, so requests that joined at
-different times share one decoder pass and each still hears exactly its offline decode.
+different times share one decoder pass and each still hears exactly its offline decode. A slot's state tensors are
+views of one row of the pool (`PackedState`): a call gathers its rows in one copy, the decoder writes the state it
+leaves into a second batch of rows (`DecoderState.next`), and one copy scatters those back.
 
 With `capture=True` (CUDA), the gather-decode-scatter of each (batch bucket, chunk length) is one CUDA graph, so a
 decode call costs one launch instead of one per op of the decoder. Batches are padded onto a scratch slot, as the
@@ -15,6 +17,8 @@ was batched with, against PROTOCOL.md's promise of identical fp32 audio however 
 (`scripts/bench_engine.py --parts invariance`).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -36,6 +40,38 @@ class _Graph:
         self.audio: torch.Tensor | None = None
 
 
+class PackedState:
+    """Where each state tensor of one slot lies in a row of model-dtype values: the histories channels-minor (as the
+    fast path's convolutions write them), the key and value windows as they are; each part starts at a multiple of
+    16 bytes."""
+
+    ALIGN = 8  # elements
+
+    def __init__(self, template: DecoderState) -> None:
+        self.parts: list[tuple[int, tuple[int, ...]]] = []  # (offset, shape of one slot's tensor)
+        width = 0
+        for tensor in [*template.history.values(), *template.keys, *template.values]:
+            self.parts.append((width, tuple(tensor.shape[1:])))
+            width += -(-tensor[0].numel() // self.ALIGN) * self.ALIGN
+        self.width = width
+        self.names = list(template.history)
+        self.layers = len(template.keys)
+
+    def views(self, rows: torch.Tensor, position: torch.Tensor) -> DecoderState:
+        """A DecoderState whose tensors are views of `rows` [B, width]."""
+        tensors = [self._view(rows, offset, shape) for offset, shape in self.parts]
+        histories, windows = tensors[:len(self.names)], tensors[len(self.names):]
+        return DecoderState(position=position, history=dict(zip(self.names, histories)),
+                            keys=windows[:self.layers], values=windows[self.layers:])
+
+    def _view(self, rows: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        part = rows[:, offset:offset + math.prod(shape)]
+        if len(shape) == 2:  # a history [C, context], stored [context, C]
+            channels, context = shape
+            return part.unflatten(1, (context, channels)).transpose(1, 2)
+        return part.unflatten(1, shape)
+
+
 class DecoderPool:
     def __init__(self, decoder: CodecDecoder, slots: int, device: torch.device, dtype: torch.dtype,
                  capture: bool = False, chunk_lengths: tuple[int, ...] = ()) -> None:
@@ -45,23 +81,13 @@ class DecoderPool:
         codes = torch.zeros(1, 1, decoder.cfg.num_quantizers, dtype=torch.long, device=device)
         with torch.inference_mode():
             decoder.decode_step(codes, template)  # creates every conv history, so their shapes are known
-
-        def pooled(t: torch.Tensor) -> torch.Tensor:
-            return torch.zeros((slots + 1, *t.shape[1:]), dtype=t.dtype, device=device)
-
-        self.state = DecoderState(
-            position=torch.zeros(slots + 1, dtype=torch.long, device=device),
-            history={name: pooled(t) for name, t in template.history.items()},
-            keys=[pooled(t) for t in template.keys],
-            values=[pooled(t) for t in template.values],
-        )
+        self.packing = PackedState(template)
+        self.rows = torch.zeros(slots + 1, self.packing.width, dtype=dtype, device=device)
+        self.position = torch.zeros(slots + 1, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.graphed_lengths = tuple(sorted(chunk_lengths, reverse=True)) if capture else ()
         if capture:
             self._capture(slots, chunk_lengths, device)
-
-    def _tensors(self, state: DecoderState) -> list[torch.Tensor]:
-        return [state.position, *state.history.values(), *state.keys, *state.values]
 
     def pieces(self, frames: int) -> list[int]:
         """Split a chunk into lengths that have a graph (largest first), so that no regular decode runs eagerly."""
@@ -75,11 +101,10 @@ class DecoderPool:
         return out + ([frames] if frames else [])
 
     def reset(self, slots: list[int]) -> None:
-        """Fresh states for `slots`: a multi-tensor kernel per dtype (the fast path wants one dtype) rather than a
-        fill per state tensor and slot, ~60 launches a request's time to first audio waited for."""
-        views = [tensor[slot] for slot in slots for tensor in self._tensors(self.state)]
-        for dtype in {view.dtype for view in views}:
-            torch._foreach_zero_([view for view in views if view.dtype == dtype])
+        """Fresh states for `slots`: their rows and positions zeroed by a multi-tensor kernel each (no index to
+        upload: a request's time to first audio waits for this)."""
+        torch._foreach_zero_([self.rows[slot] for slot in slots])
+        torch._foreach_zero_([self.position[slot] for slot in slots])
 
     @torch.inference_mode()
     def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
@@ -87,7 +112,7 @@ class DecoderPool:
 
         The inputs go up from pinned memory, so a call queued on a side stream never waits for the host."""
         rows, frames = codes.shape[:2]
-        device = self.state.position.device
+        device = self.rows.device
         index, codes = (_upload(torch.tensor(slots), device), _upload(codes, device))
         largest = max((size for size, length in self.graphs if length == frames), default=0)
         if not largest:  # one request a call: batch-invariant audio (module docstring)
@@ -111,15 +136,16 @@ class DecoderPool:
         return graph.audio[:rows]
 
     def _decode(self, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        state = DecoderState(
-            position=self.state.position[index],
-            history={name: t[index] for name, t in self.state.history.items()},
-            keys=[t[index] for t in self.state.keys],
-            values=[t[index] for t in self.state.values],
-        )
+        """The rows `index` gathered, decoded into a second batch of rows, and those scattered back."""
+        dense = torch.arange(len(index), device=index.device)
+        before = self.rows.new_empty(len(index), self.packing.width)
+        after = torch.empty_like(before)
+        _copy_rows(self.rows, index, before, dense)
+        state = self.packing.views(before, self.position[index])
+        state.next = self.packing.views(after, state.position)
         audio = self.decoder.decode_step(codes, state)
-        for pool, updated in zip(self._tensors(self.state), self._tensors(state)):
-            pool[index] = updated
+        _copy_rows(after, dense, self.rows, index)
+        self.position[index] = state.position
         return audio
 
     @torch.inference_mode()
@@ -153,6 +179,16 @@ class DecoderPool:
         self.stream = stream
         torch.cuda.synchronize()
         self.reset([self.scratch_slot])
+
+
+def _copy_rows(source: torch.Tensor, source_rows: torch.Tensor, target: torch.Tensor, target_rows: torch.Tensor
+               ) -> None:
+    """target[target_rows] = source[source_rows]: one Triton launch on a GPU (`engine/kernels/rows.py`)."""
+    if source.is_cuda:
+        from engine.kernels.rows import copy_rows  # imported here: Triton only where it runs
+        copy_rows(source, source_rows, target, target_rows)
+    else:
+        target.index_copy_(0, target_rows, source.index_select(0, source_rows))
 
 
 def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -45,9 +45,10 @@ def _snake_beta(x, alpha_ptr, beta_ptr, chans, channels, dtype: tl.constexpr):
 
 
 @triton.jit
-def _padded_kernel(x_ptr, past_ptr, bias_ptr, alpha_ptr, beta_ptr, out_ptr, channels, frames, context,
-                   x_sb, x_sc, x_st, past_sb, past_sc, past_st, out_sb, out_sc, out_st, HAS_BIAS: tl.constexpr,
-                   ACTIVATE: tl.constexpr, HAS_PAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _padded_kernel(x_ptr, past_ptr, bias_ptr, alpha_ptr, beta_ptr, out_ptr, tail_ptr, channels, frames, context,
+                   x_sb, x_sc, x_st, past_sb, past_sc, past_st, out_sb, out_sc, out_st, tail_sb, tail_sc, tail_st,
+                   HAS_BIAS: tl.constexpr, ACTIVATE: tl.constexpr, HAS_PAST: tl.constexpr, HAS_TAIL: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     cols = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
     batch = tl.program_id(1)
     chans = (tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
@@ -66,8 +67,12 @@ def _padded_kernel(x_ptr, past_ptr, bias_ptr, alpha_ptr, beta_ptr, out_ptr, chan
                              mask=in_range & (cols < context), other=0.0).to(tl.float32)
     else:
         remembered = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    tl.store(out_ptr + batch * out_sb + chans * out_sc + cols * out_st, tl.where(is_new, x, remembered).to(dtype),
-             mask=in_range)
+    padded = tl.where(is_new, x, remembered).to(dtype)
+    tl.store(out_ptr + batch * out_sb + chans * out_sc + cols * out_st, padded, mask=in_range)
+    if HAS_TAIL:  # the next call's past: the last `context` columns
+        tail_cols = cols - frames
+        tl.store(tail_ptr + batch * tail_sb + chans * tail_sc + tail_cols * tail_st, padded,
+                 mask=in_range & (tail_cols >= 0))
 
 
 @triton.jit
@@ -115,17 +120,21 @@ def _snake_pointwise_residual_kernel(h_ptr, in_bias_ptr, alpha_ptr, beta_ptr, we
 
 
 def snake_padded(x: torch.Tensor, alpha: torch.Tensor | None, beta: torch.Tensor | None, past: torch.Tensor | None,
-                 context: int, channels_minor: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+                 context: int, channels_minor: bool = False, bias: torch.Tensor | None = None,
+                 tail: torch.Tensor | None = None) -> torch.Tensor:
     """cat(past, SnakeBeta(x + bias)) along time: x [B, C, n], past [B, C, context] or None (zeros), alpha and beta
     [C] (log-scale, as stored; None: no activation, the padding alone), bias [C] or None -> [B, C, context + n],
-    dense: channels-minor if `channels_minor`, else time-minor (contiguous)."""
+    dense: channels-minor if `channels_minor`, else time-minor (contiguous). `tail` [B, C, context] in any strides,
+    if given, gets a copy of the result's last `context` columns (the next call's past: the decoder pool's rows)."""
     batch, channels, frames = x.shape
     out = _dense(x, batch, channels, context + frames, channels_minor)
     past_strides = (0, 0, 0) if past is None else past.stride()
+    tail_strides = (0, 0, 0) if tail is None else tail.stride()
     _padded_kernel[_grid(batch, channels, context + frames)](
-        x, _or(past, x), _or(bias, x), _or(alpha, x), _or(beta, x), out, channels, frames, context, *x.stride(),
-        *past_strides, *out.stride(), HAS_BIAS=bias is not None, ACTIVATE=alpha is not None,
-        HAS_PAST=past is not None, **_blocks(channels, context + frames))
+        x, _or(past, x), _or(bias, x), _or(alpha, x), _or(beta, x), out, _or(tail, out), channels, frames, context,
+        *x.stride(), *past_strides, *out.stride(), *tail_strides, HAS_BIAS=bias is not None,
+        ACTIVATE=alpha is not None, HAS_PAST=past is not None, HAS_TAIL=tail is not None,
+        **_blocks(channels, context + frames))
     return out
 
 

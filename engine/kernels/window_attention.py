@@ -31,7 +31,8 @@ def _roped(ptr, partner_ptr, first_half, cos, sin, mask, DTYPE: tl.constexpr):
 @triton.jit
 def _window_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, past_k_ptr, past_v_ptr, position_ptr, out_ptr,
                              new_k_ptr, new_v_ptr, frames, stride_qkv_b, stride_qkv_n, stride_rope_b, stride_rope_n,
-                             stride_past_b, stride_past_h, stride_past_t, stride_out_b, stride_out_n, scale,
+                             stride_past_b, stride_past_h, stride_past_t, stride_out_b, stride_out_n,
+                             stride_new_b, stride_new_h, stride_new_t, scale,
                              HEADS: tl.constexpr, GROUP: tl.constexpr, WINDOW: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                              PDL: tl.constexpr):
@@ -81,31 +82,36 @@ def _window_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, past_k_ptr, past_v_ptr, 
                  mask=dim_mask)
     if head % GROUP == 0:  # the next call's window: the last WINDOW keys of the tile
         kept = (keys >= frames) & (keys < frames + WINDOW)
-        target = (row * kv_heads + kv_head) * WINDOW * HEAD_DIM + (keys[:, None] - frames) * HEAD_DIM + dims[None, :]
+        target = row * stride_new_b + kv_head * stride_new_h + (keys[:, None] - frames) * stride_new_t + dims[None, :]
         kept_mask = kept[:, None] & dim_mask[None, :]
         tl.store(new_k_ptr + target, k.to(dtype), mask=kept_mask)
         tl.store(new_v_ptr + target, v.to(dtype), mask=kept_mask)
 
 
 def window_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_keys: torch.Tensor,
-                     past_values: torch.Tensor, position: torch.Tensor, heads: int
+                     past_values: torch.Tensor, position: torch.Tensor, heads: int,
+                     new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`WindowAttention`'s attention for qkv [B, n, (Hq + 2 Hkv) D] (the merged projection), cos / sin [B, n, D],
     the window's past keys / values [B, Hkv, W, D] (unit stride in D; the same strides) and the frames decoded so
-    far [B] -> (out [B, n, Hq D], the next call's keys and values [B, Hkv, W, D])."""
+    far [B] -> (out [B, n, Hq D], the next call's keys and values [B, Hkv, W, D]), written into `new_keys` /
+    `new_values` if given (the same strides, unit in D; never the past's memory: other programs still read it)."""
     rows, frames, _ = qkv.shape
     kv_heads, window, head_dim = past_keys.shape[1:]
     assert qkv.stride(2) == 1 and cos.stride(2) == 1 and cos.stride() == sin.stride()
     assert past_keys.stride() == past_values.stride() and past_keys.stride(3) == 1
     out = torch.empty(rows, frames, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    new_keys = torch.empty(rows, kv_heads, window, head_dim, dtype=qkv.dtype, device=qkv.device)
-    new_values = torch.empty_like(new_keys)
+    if new_keys is None or new_values is None:
+        new_keys = torch.empty(rows, kv_heads, window, head_dim, dtype=qkv.dtype, device=qkv.device)
+        new_values = torch.empty_like(new_keys)
+    assert new_keys.stride() == new_values.stride() and new_keys.stride(3) == 1
     pdl = dependent_launch(qkv.device)
     _window_attention_kernel[(rows, heads)](
         qkv, cos, sin, past_keys, past_values, position, out, new_keys, new_values, frames,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1),
         past_keys.stride(0), past_keys.stride(1), past_keys.stride(2), out.stride(0), out.stride(1),
-        head_dim ** -0.5, HEADS=heads, GROUP=heads // kv_heads, WINDOW=window, HEAD_DIM=head_dim,
+        new_keys.stride(0), new_keys.stride(1), new_keys.stride(2), head_dim ** -0.5, HEADS=heads,
+        GROUP=heads // kv_heads, WINDOW=window, HEAD_DIM=head_dim,
         BLOCK_T=triton.next_power_of_2(window + frames), BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl,
         num_warps=4, launch_pdl=pdl)
     return out, new_keys, new_values

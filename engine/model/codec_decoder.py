@@ -19,12 +19,38 @@ from engine.model.layers import MLP, Derived, LayerScale, RMSNorm, RotaryEmbeddi
 
 @dataclass
 class DecoderState:
-    """Everything a streaming decode carries between calls; batch is dim 0 of every tensor."""
+    """Everything a streaming decode carries between calls; batch is dim 0 of every tensor.
+
+    A call replaces the history and window tensors with the ones it leaves, unless `next` is given: then it writes
+    them into `next`'s tensors (the decoder pool's packed rows, `engine/core/codec_decoding.py`), and this state is
+    only read."""
 
     position: torch.Tensor  # [B] frames decoded so far
     history: dict[str, torch.Tensor] = field(default_factory=dict)  # causal conv / transposed conv inputs
     keys: list[torch.Tensor] = field(default_factory=list)  # per layer [B, H, window, D]
     values: list[torch.Tensor] = field(default_factory=list)
+    next: DecoderState | None = None
+
+    def history_out(self, key: str) -> torch.Tensor | None:
+        """Where the call writes history `key`; None: it replaces it (`keep_history`)."""
+        return None if self.next is None else self.next.history[key]
+
+    def keep_history(self, key: str, tail: torch.Tensor) -> None:
+        if self.next is None:
+            self.history[key] = tail
+        elif tail is not self.next.history[key]:
+            self.next.history[key].copy_(tail)
+
+    def window_out(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Where the call writes layer `layer`'s keys and values; (None, None): it replaces them (`keep_window`)."""
+        return (None, None) if self.next is None else (self.next.keys[layer], self.next.values[layer])
+
+    def keep_window(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.next is None:
+            self.keys[layer], self.values[layer] = keys, values
+        elif keys is not self.next.keys[layer]:
+            self.next.keys[layer].copy_(keys)
+            self.next.values[layer].copy_(values)
 
 
 class CausalConv(nn.Module):
@@ -42,10 +68,10 @@ class CausalConv(nn.Module):
                 input_bias: torch.Tensor | None = None, add_bias: bool = True) -> torch.Tensor:
         """`activation`, if given, is applied to x first (fused with the padding on a GPU), after `input_bias` (the
         bias that the convolution which made x left out); `add_bias=False` leaves this convolution's own out."""
-        past = state.history.get(self.key) if self.context else None
-        x = padded(x, past, self.context, activation, self.fast_path, input_bias)
+        past, tail = (state.history.get(self.key), state.history_out(self.key)) if self.context else (None, None)
+        x = padded(x, past, self.context, activation, self.fast_path, input_bias, tail)
         if self.context:
-            state.history[self.key] = x[..., -self.context:]
+            state.keep_history(self.key, tail if tail is not None else x[..., -self.context:])
         conv = self.conv
         bias = conv.bias if add_bias else None
         if not self.fast_path:
@@ -70,10 +96,10 @@ class CausalTransposedConv(nn.Module):
         """`activation`, if given, is applied to x first (fused with the padding on a GPU)."""
         n = x.shape[-1]
         # A zero past input contributes nothing; the bias is added once per output either way.
-        past = state.history.get(self.key) if self.overlap else None
-        x = padded(x, past, self.overlap, activation, self.fast_path)
+        past, tail = (state.history.get(self.key), state.history_out(self.key)) if self.overlap else (None, None)
+        x = padded(x, past, self.overlap, activation, self.fast_path, tail=tail)
         if self.overlap:
-            state.history[self.key] = x[..., -self.overlap:]
+            state.keep_history(self.key, tail if tail is not None else x[..., -self.overlap:])
         start = self.overlap * self.stride
         return self._convolve(x)[..., start: start + n * self.stride]
 
@@ -103,14 +129,15 @@ class SnakeBeta(nn.Module):
 
 
 def padded(x: torch.Tensor, past: torch.Tensor | None, context: int, activation: SnakeBeta | None,
-           channels_minor: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A causal convolution's input: cat(past, activation(x + bias)) along time, zeros for a missing past. On a GPU
-    the bias, the activation and the padding are one Triton kernel (`engine/kernels/conv_elementwise.py`), the
-    decoder's largest saving, which also writes the layout the convolution reads (`channels_minor`)."""
+           channels_minor: bool, bias: torch.Tensor | None = None, tail: torch.Tensor | None = None) -> torch.Tensor:
+    """A causal convolution's input: cat(past, activation(x + bias)) along time, zeros for a missing past; its last
+    `context` columns copied into `tail` too, if given. On a GPU the bias, the activation, the padding and the copy
+    are one Triton kernel (`engine/kernels/conv_elementwise.py`), the decoder's largest saving, which also writes the
+    layout the convolution reads (`channels_minor`)."""
     if x.is_cuda and (activation is not None or context or bias is not None):
         from engine.kernels.conv_elementwise import snake_padded  # imported here: Triton only where it runs
         alpha, beta = (None, None) if activation is None else (activation.alpha, activation.beta)
-        return snake_padded(x, alpha, beta, past, context, channels_minor, bias)
+        return snake_padded(x, alpha, beta, past, context, channels_minor, bias, tail)
     if bias is not None:
         x = x + bias[:, None]
     if activation is not None:
@@ -119,7 +146,10 @@ def padded(x: torch.Tensor, past: torch.Tensor | None, context: int, activation:
         return x
     if past is None:
         past = x.new_zeros(x.shape[0], x.shape[1], context)
-    return torch.cat((past, x), dim=-1)
+    x = torch.cat((past, x), dim=-1)
+    if tail is not None:
+        tail.copy_(x[..., -context:])
+    return x
 
 
 def bias_residual(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -217,8 +247,9 @@ class WindowAttention(nn.Module):
         qkv = F.linear(x, *self._qkv())
         if hidden is None:
             from engine.kernels.window_attention import window_attention  # imported here: Triton only where it runs
-            out, state.keys[layer], state.values[layer] = window_attention(
-                qkv, cos, sin, state.keys[layer], state.values[layer], state.position, self.heads)
+            out, keys, values = window_attention(qkv, cos, sin, state.keys[layer], state.values[layer],
+                                                 state.position, self.heads, *state.window_out(layer))
+            state.keep_window(layer, keys, values)
             return self.o_proj(out)
         heads = qkv.unflatten(-1, (self.heads + 2 * self.kv_heads, self.head_dim)).transpose(1, 2)
         # q and k rotate as one tensor: the same elementwise ops, half the launches
@@ -226,7 +257,7 @@ class WindowAttention(nn.Module):
         v = heads[:, self.heads + self.kv_heads:]
         keys = torch.cat((state.keys[layer], k), dim=2)
         values = torch.cat((state.values[layer], v), dim=2)
-        state.keys[layer], state.values[layer] = keys[:, :, -self.window:], values[:, :, -self.window:]
+        state.keep_window(layer, keys[:, :, -self.window:], values[:, :, -self.window:])
         out = self._attend(q, keys, values, hidden)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
