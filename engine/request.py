@@ -86,6 +86,9 @@ class SynthesisRequest:
     # a live conversation's request (the gateway's WebSocket contexts); False: a one-shot request (HTTP), which leaves
     # the engine's reserved slots and places to the interactive ones (scheduler.py, `reserved_slots`)
     interactive: bool = True
+    # who asks (the gateway: a session, or an HTTP client's API key); requests waiting for a slot take turns by owner,
+    # fewest running first (scheduler.py); None: a client of its own
+    owner: str | None = None
 
 
 @dataclass(frozen=True)

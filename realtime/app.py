@@ -104,7 +104,7 @@ def create_app(gateway: Gateway) -> Starlette:
             spoken = await read_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
             if spoken.sse:  # OpenAI's usage; a long input's tokens take milliseconds: off the event loop
                 delivery.input_tokens = len(await asyncio.to_thread(gateway.tts.tokenizer.encode, spoken.text))
-            return await speech_response(spoken, start_speech(spoken, gateway), delivery,
+            return await speech_response(spoken, start_speech(spoken, gateway, auth.key(request)), delivery,
                                          lambda: _client_gone(request))
         response = await _http(request, gateway, auth, handle)
         if not isinstance(response, CountedStream):  # counts itself once it has ended

@@ -390,12 +390,12 @@ class Gateway:
         task.add_done_callback(self._tasks.discard)
 
     def template(self, voice: Voice, language: str, sampling: Sampling, layout: str = "streaming",
-                 interactive: bool = True) -> SynthesisRequest:
+                 interactive: bool = True, owner: str | None = None) -> SynthesisRequest:
         """A context's request without text (`layout`: engine/prompt.py's TEXT_LAYOUTS; streaming starts speaking
-        soonest; `interactive`: SynthesisRequest's); raises VoiceError for an unknown language."""
+        soonest; `interactive` and `owner`: SynthesisRequest's); raises VoiceError for an unknown language."""
         return SynthesisRequest("", voice, language=self.voices.resolve_language(language), layout=layout,
                                 sampling=self._sampling(sampling), text_complete=False,
-                                clean_text=self.options.clean_text, interactive=interactive)
+                                clean_text=self.options.clean_text, interactive=interactive, owner=owner)
 
     def _sampling(self, wanted: Sampling) -> SamplingParams:
         base = SamplingParams.from_defaults(self.tts.config.generation)

@@ -227,11 +227,20 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
             raise self.connection_closed_exc()
         await super().ensure_open()
 
+    def _write_now(self, text: str) -> None:
+        """A text message written at once, behind what the peer has not read yet and ahead of the close frame: a
+        session's last words when its sender waits on a peer that reads nothing (`Session.abort`). Given to the
+        session in its scope's extensions (`WRITE_NOW_EXTENSION`)."""
+        if self.state is State.OPEN:
+            self.write_frame_sync(True, Opcode.TEXT, text.encode())
+
     async def _app_then_close(self, scope: Any, receive: Any, send: Any) -> None:
         """The session, then, where it ended because nothing more could arrive (`ensure_open`), the protocol's own
         close of the connection (its close timeout bounds it) before uvicorn closes the transport: closed at once,
-        a peer still sending a message over the size limit got a reset instead of the 1009 close frame on its way."""
-        await self._session_app(scope, receive, send)
+        a peer still sending a message over the size limit got a reset instead of the 1009 close frame on its way.
+        The session's scope carries `_write_now`."""
+        extensions = {**scope.get("extensions", {}), ws_protocol.WRITE_NOW_EXTENSION: self._write_now}
+        await self._session_app({**scope, "extensions": extensions}, receive, send)
         if self._receiving_ended:
             await asyncio.shield(self.close_connection_task)
 

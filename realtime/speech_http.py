@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -210,17 +211,24 @@ def _lexicon(body: dict, gateway: Gateway) -> Lexicon | None:
         raise HTTPFailure.of(failure) from None
 
 
+def _key_owner(key: str | None) -> str | None:
+    """An API key as an engine request's owner: a digest, so that the key itself never leaves the gateway."""
+    return None if key is None else "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def _bad(message: str) -> HTTPFailure:
     return HTTPFailure(400, "invalid_message", message)
 
 
-def start_speech(request: SpeechRequest, gateway: Gateway) -> AsyncIterator[np.ndarray]:
+def start_speech(request: SpeechRequest, gateway: Gateway, owner: str | None) -> AsyncIterator[np.ndarray]:
     """The request's audio chunks (float32, the model's rate) as they are made; raises HTTPFailure for a bad voice or
-    language at once."""
+    language at once. `owner`: the client's API key (None on an open gateway): a key's requests take turns with
+    other clients' for the engine's slots."""
     try:
         voice = gateway.voices.resolve(gateway.voices.openai_voice(request.voice), request.instructions)
         template = gateway.template(voice, request.language, Sampling(seed=request.seed), request.layout,
-                                    interactive=False)  # leaves the engine's reserved slots to conversations
+                                    interactive=False,  # leaves the engine's reserved slots to conversations
+                                    owner=_key_owner(owner))
     except VoiceError as failure:  # an unknown voice (unknown_voice), a bad language or instructions
         raise HTTPFailure(400, failure.code, str(failure)) from None
     speech = gateway.speech_context(template, "none", 0, request.lexicon, READ_AHEAD if request.stream else None)

@@ -18,6 +18,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 import realtime.server as server_module
+import realtime.ws.session as session_module
 from realtime import speech_http
 from realtime.gateway import Limits
 from realtime.ws.protocol import pack_header
@@ -28,10 +29,14 @@ SEND_QUEUE_MS = 400
 PING_EVERY_S = 0.1
 
 
-@pytest.mark.parametrize("pinging", [False, True], ids=["silent", "pinging"])
-def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch, pinging):
+@pytest.mark.parametrize("pinging, reads_again_after_s", [(False, 0.0), (True, 0.0), (False, 1.0)],
+                         ids=["silent", "pinging", "reading-after-the-close"])
+def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch, pinging, reads_again_after_s):
+    """A client that reads again only after the server has given up sending (`ABORT_GRACE_S`) still finds the
+    warning and the fatal error, in that order, behind its unread audio and ahead of the close."""
     # a client that reads nothing answers no server ping either: keep the ping timeout out of the way of the hard limit
     monkeypatch.setattr(server_module, "PING_INTERVAL_S", 120.0)
+    monkeypatch.setattr(session_module, "ABORT_GRACE_S", 0.3)
     with running_server(Limits(send_queue_ms=SEND_QUEUE_MS)) as server:
         async def go():
             ws, _ = await _small_window_session(server, 48000)
@@ -52,12 +57,12 @@ def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch, p
                 pings.cancel()
             chunk_ms = 320  # the largest chunk the engine hands over at once (4 frames of 80 ms)
             assert peak <= SEND_QUEUE_MS + 4 * chunk_ms  # each of the 4 contexts may add one chunk past the limit
+            await asyncio.sleep(reads_again_after_s)
             ws.transport.resume_reading()
             events, close_code = await events_until_closed(ws)
-            codes = [e.get("code") for e in events if e["type"] in ("warning", "error")]
-            assert "slow_consumer" in codes, (close_code, events[-3:])
-            assert close_code == 1008 and any(e["type"] == "error" and e["fatal"] for e in events), (close_code,
-                                                                                                   events[-3:])
+            told = [(e["type"], e.get("code"), e.get("fatal")) for e in events if e["type"] in ("warning", "error")]
+            assert told[-2:] == [("warning", "slow_consumer", None), ("error", "slow_consumer", True)], told
+            assert close_code == 1008, (close_code, events[-3:])
             async with connect(server.ws) as other:  # the server is fine
                 assert json.loads(await other.recv())["type"] == "session.started"
         asyncio.run(go())

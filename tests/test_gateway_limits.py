@@ -539,3 +539,39 @@ def test_the_queue_depth_gauge_drops_when_queued_requests_are_cancelled():
                     assert time.monotonic() < deadline, "the gauge kept the cancelled requests"
                     await asyncio.sleep(0.05)
         asyncio.run(go())
+
+
+def test_sessions_take_turns_for_the_engines_slots():
+    """A hostile try: one session held every slot with long contexts and queued more, and another session's context
+    waited behind all of them (37-61 s on the CPU's 8 slots). Sessions now take turns: the first slot that frees goes
+    to the session that runs nothing, before the holder's older queued contexts."""
+    long_text = "word " * 200  # one utterance that runs for many steps: each context keeps its slot
+    with running_server(max_batch=2) as server:
+        async def go() -> None:
+            async with connect(server.ws) as hog, connect(server.ws) as other:
+                reading = asyncio.create_task(_read_all(hog))
+                for name in ("a1", "a2", "a3", "a4"):
+                    await hog.send(json.dumps({"type": "text.append", "context_id": name, "text": long_text}))
+                    await hog.send(json.dumps({"type": "context.end", "context_id": name}))
+                await _until(lambda: server.metric("voxgate_engine_queue_depth") == 2)  # a3 and a4 wait
+                await other.send(json.dumps({"type": "text.append", "context_id": "b", "text": long_text}))
+                await other.send(json.dumps({"type": "context.end", "context_id": "b"}))
+                await _until(lambda: server.metric("voxgate_engine_queue_depth") == 3)
+                await hog.send(json.dumps({"type": "context.cancel", "context_id": "a1"}))  # one slot frees
+                while not isinstance(message := await asyncio.wait_for(other.recv(), 30), bytes):
+                    assert json.loads(message)["type"] != "error", message
+                assert server.metric("voxgate_engine_queue_depth") == 2  # a3 and a4 still wait
+                reading.cancel()
+        asyncio.run(go())
+
+
+async def _read_all(ws) -> None:
+    while True:
+        await ws.recv()
+
+
+async def _until(condition, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)

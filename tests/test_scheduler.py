@@ -1,5 +1,6 @@
 """Scheduling policies: on the simulator (the real scheduler, a virtual clock, the GPU cost model) and in the
 engine, where the policy changes who steps when, never what a request sounds like."""
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +65,7 @@ class Waiting:
     """A request that is ready at once, interactive (a conversation's) or one-shot (HTTP)."""
     request_id: int
     interactive: bool
+    owner: str | None = None
     slot: int = -1
     frames: int = 0
     decoded_frames: int = 0
@@ -104,6 +106,53 @@ def test_one_shot_requests_leave_the_reserved_slots_to_interactive_ones(slots, k
     for request in list(scheduler.running.values())[:finished]:
         scheduler.finish(request, "eos")
     check()
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.integers(1, 12), owners=st.lists(st.sampled_from(["a", "b", "c", None]), min_size=1, max_size=40),
+       finished=st.lists(st.integers(0, 11), max_size=20), admission=st.sampled_from(ADMISSIONS))
+def test_owners_take_turns_for_the_slots(slots, owners, finished, admission):
+    """However many requests one client queues, each free slot goes to a waiting request of the owner that runs the
+    fewest (a request without owner runs none), each owner's oldest first: a client's first request never waits
+    behind another's many. Slots freed later go by the same rule."""
+    scheduler = Scheduler(slots, max_prefill_batch=10**6, admission=admission)
+    requests = [Waiting(index, True, owner) for index, owner in enumerate(owners)]
+    for request in requests:
+        scheduler.add(request)
+
+    def admit_and_check() -> None:
+        turns = Counter(r.owner for r in scheduler.running.values() if r.owner is not None)
+        candidates = list(scheduler.waiting)
+        for request in scheduler.admit(lambda request: True):  # replayed turn by turn
+            def rank(r: Waiting) -> int:
+                return 0 if r.owner is None else turns[r.owner]
+            least = min(rank(r) for r in candidates)
+            assert request is min((r for r in candidates if rank(r) == least), key=lambda r: r.request_id)
+            candidates.remove(request)
+            if request.owner is not None:
+                turns[request.owner] += 1
+        assert not candidates or not scheduler.free_slots
+
+    admit_and_check()
+    for index in finished:
+        running = list(scheduler.running.values())
+        if running:
+            scheduler.finish(running[index % len(running)], "eos")
+            admit_and_check()
+
+
+def test_a_clients_first_request_goes_before_anothers_queue():
+    """The hostile try's case: one client holds every slot and queues more; another client's one request takes the
+    next slot that frees, not the place behind the queue."""
+    scheduler = Scheduler(4)
+    hog = [Waiting(index, True, "hog") for index in range(12)]
+    for request in hog:
+        scheduler.add(request)
+    scheduler.admit(lambda request: True)
+    victim = Waiting(12, True, "victim")
+    scheduler.add(victim)
+    scheduler.finish(hog[0], "eos")
+    assert scheduler.admit(lambda request: True) == [victim]
 
 
 def test_the_reserve_and_its_waiting_places():

@@ -1,7 +1,9 @@
 """Which requests run: the waiting queue, the running requests and their slots, admission, the hold rule, which
 runnable requests take the next frame step, and the bookkeeping of a request's end.
 
-Admission takes waiting requests oldest first, up to `max_prefill_batch` per step and while slots are free; a
+Admission takes waiting requests in turns by owner (the client that asks: a session, an API key), the owner with
+the fewest running requests first and each owner's oldest first, up to `max_prefill_batch` per step and while slots
+are free: a client with many requests queued cannot keep another's first request waiting behind them all. A
 streaming-text request waits until its prefill has its text (`Sequence.ready`). The last `reserved_slots` free slots
 (and as many places of the waiting room) are for interactive requests (a conversation's WebSocket contexts): a
 one-shot request (HTTP) passes them by, so that a burst of one-shot requests cannot make a conversation wait for a
@@ -33,7 +35,7 @@ The simulator runs this same class on a virtual clock (`clock`), with its own re
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
@@ -68,6 +70,7 @@ class Scheduled(Protocol):
     first_audio_at: float | None  # when its first frame was generated
     done: str | None
     interactive: bool  # False: a one-shot request, which leaves the reserved slots free
+    owner: str | None  # who asks: waiting requests take turns by owner (None: a client of its own)
 
     def ready(self) -> bool: ...  # its prefill can run
 
@@ -154,7 +157,7 @@ class Scheduler(Generic[S]):
         if self.admission == "protect" and self.waiting:
             return self._admit_protecting(prepare)
         admitted: list[S] = []
-        for seq in list(self.waiting):
+        for seq in self._in_turns():
             if len(admitted) >= self.max_prefill_batch or not self.free_slots:
                 break
             if not seq.ready() or not self._slot_for(seq) or not prepare(seq):
@@ -162,6 +165,21 @@ class Scheduler(Generic[S]):
             self._start(seq)
             admitted.append(seq)
         return admitted
+
+    def _in_turns(self) -> list[S]:
+        """The waiting requests in admission order: an owner's k-th oldest waiting request ranks as if its owner ran
+        k more requests than it does, ties oldest first, so owners take turns, the least served first (a request
+        without owner: an owner of its own, running nothing)."""
+        running = Counter(seq.owner for seq in self.running.values() if seq.owner is not None)
+        queued: Counter[str] = Counter()
+        ranked = []
+        for arrival, seq in enumerate(self.waiting):
+            turn = 0
+            if seq.owner is not None:
+                turn = running[seq.owner] + queued[seq.owner]
+                queued[seq.owner] += 1
+            ranked.append((turn, arrival, seq))
+        return [seq for _, _, seq in sorted(ranked, key=lambda entry: entry[:2])]
 
     def admissible(self) -> bool:
         """Whether a waiting request could start now (`protect` aside): ready, with a slot free for it."""
@@ -176,7 +194,7 @@ class Scheduler(Generic[S]):
         now = self.clock()
         budget = self.thinnest_lead(now) - PROTECT_STEP_S
         admitted: list[S] = []
-        for seq in list(self.waiting):
+        for seq in self._in_turns():
             if len(admitted) >= self.max_prefill_batch or not self.free_slots:
                 break
             if not seq.ready() or not self._slot_for(seq):

@@ -36,6 +36,10 @@ class Sequence:
     def interactive(self) -> bool:
         return self.request.interactive
 
+    @property
+    def owner(self) -> str | None:
+        return self.request.owner
+
     def text_id(self) -> int | None:
         """The text token of the next frame; None holds the request (its text has not arrived)."""
         return self.feed.text_id(self.frames) if self.feed is not None else self.prompt.text_id(self.frames)

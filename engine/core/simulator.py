@@ -59,6 +59,7 @@ class Arrival:
     frames: int
     text_times: tuple[float, ...] = ()  # arrival of each text token (streaming text); empty: all text at `at`
     interactive: bool = True  # False: a one-shot request (HTTP), as SynthesisRequest's
+    owner: str | None = None  # as SynthesisRequest's
 
 
 @dataclass
@@ -86,6 +87,10 @@ class SimRequest:
     def interactive(self) -> bool:
         """A conversation's request, as SynthesisRequest's (the scheduler's reserved slots, the busy start)."""
         return self.arrival.interactive
+
+    @property
+    def owner(self) -> str | None:
+        return self.arrival.owner
 
     def _tokens(self) -> int:
         return sum(t <= self.clock.now for t in self.arrival.text_times)

@@ -53,6 +53,14 @@ class Outbox:
         self._settle()
         return dropped
 
+    def take_until_close(self) -> list[Outgoing]:
+        """The items queued ahead of the first closing item, taken out (a sender that gives up sends them another
+        way)."""
+        taken = []
+        while self._items and not self._items[0].closes:
+            taken.append(self._pop())
+        return taken
+
     def move_to_front(self, item: Outgoing) -> bool:
         """Send this very item next if it is still queued (a warning that explains the error put before it)."""
         for index, queued in enumerate(self._items):
@@ -67,6 +75,9 @@ class Outbox:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
+        return self._pop()
+
+    def _pop(self) -> Outgoing:
         item = self._items.popleft()
         self._urgent = max(0, self._urgent - 1)
         self.queued_ms -= item.audio_ms

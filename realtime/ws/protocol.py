@@ -32,6 +32,9 @@ FLAG_FIRST, FLAG_LAST, FLAG_DISCONTINUITY = 1, 2, 4
 _HEADER = struct.Struct("<BBHI")
 
 TRANSPORTS = ("binary", "json")
+# the ASGI scope extension under which the server gives a session a way to write a text message at once, past its
+# send queue (`GatewayWebSocketProtocol._write_now`): its fatal error when the peer reads nothing
+WRITE_NOW_EXTENSION = "voxgate.write_now"
 PRESETS: dict[str, dict[str, Any]] = {
     "browser": {"audio": {"encoding": "opus", "sample_rate": MODEL_SAMPLE_RATE}},
     "twilio": {"audio": {"encoding": "mulaw", "sample_rate": 8000, "frame_ms": 20}, "transport": {"audio": "json"}},

@@ -22,8 +22,10 @@ STREAM_IDS = 65536  # stream_id is a u16 of the binary header
 
 
 class ContextRegistry:
-    def __init__(self, gateway: Gateway, settings: SessionSettings, outbox: Outbox, slow: SlowConsumerPolicy) -> None:
-        self.gateway, self.settings, self.outbox, self.slow = gateway, settings, outbox, slow
+    def __init__(self, gateway: Gateway, settings: SessionSettings, outbox: Outbox, slow: SlowConsumerPolicy,
+                 owner: str) -> None:
+        """`owner`: the session's id, its contexts' owner in the engine: sessions take turns for its slots."""
+        self.gateway, self.settings, self.outbox, self.slow, self.owner = gateway, settings, outbox, slow, owner
         self.max_contexts = gateway.limits.max_contexts
         self.open: dict[str, SessionContext] = {}
         self.finished: dict[str, float] = {}  # closed context id -> audio sent (ms)
@@ -79,7 +81,7 @@ class ContextRegistry:
             instructions = None  # the session's instructions describe its voices; a stored voice keeps its own
         try:
             voice = self.gateway.voices.resolve(voice_id, instructions)
-            template = self.gateway.template(voice, language, config.sampling)
+            template = self.gateway.template(voice, language, config.sampling, owner=self.owner)
         except VoiceError as failure:  # an unknown voice or language
             raise ProtocolError(failure.code, str(failure), context_id=context_id) from None
         lexicon = self.settings.context_lexicon(message)

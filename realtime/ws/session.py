@@ -24,6 +24,7 @@ from realtime.ws.protocol import (
     CLOSE_NORMAL,
     CLOSE_POLICY,
     CONTEXT_FIELDS,
+    WRITE_NOW_EXTENSION,
     ProtocolError,
     SessionConfig,
     check_message,
@@ -56,7 +57,7 @@ class Session:
         self.settings = SessionSettings(config, gateway.voices, gateway.lexicons)
         self.slow = SlowConsumerPolicy(self.outbox, self.limits.send_queue_ms,
                                        lambda failure: self.abort(failure, CLOSE_POLICY))
-        self.contexts = ContextRegistry(gateway, self.settings, self.outbox, self.slow)
+        self.contexts = ContextRegistry(gateway, self.settings, self.outbox, self.slow, self.id)
         self.closing = False
         self.closed = False  # the socket is gone
         self._aborted = False
@@ -149,8 +150,21 @@ class Session:
         self.outbox.put_event(error_event(failure), urgent=True)
         self.outbox.put(Outgoing("", closes=True), urgent=True)
         self.slow.warning_first()
-        # a peer that reads nothing would keep the error queued forever: close without it after a moment
-        asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._sender_task.cancel)
+        # a peer that reads nothing keeps the sender waiting behind its unread audio: after a moment it stops
+        asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._stop_sending)
+
+    def _stop_sending(self) -> None:
+        """The sender still waits behind audio the peer does not read: it stops, and what was due before the close
+        (the warning and the fatal error, PROTOCOL.md's Backpressure) is written at once behind that audio, where
+        the close frame follows it, so a peer that reads again later learns why it was closed."""
+        if self._sender_task is None or self._sender_task.done():
+            return
+        self._sender_task.cancel()
+        write_now = self.ws.scope.get("extensions", {}).get(WRITE_NOW_EXTENSION)
+        if write_now is not None:
+            for item in self.outbox.take_until_close():
+                if isinstance(item.payload, str):
+                    write_now(item.payload)
 
     async def _idle_watchdog(self) -> None:
         """The idle timer runs only while no context is generating or sending (PROTOCOL.md): a context held open
