@@ -158,6 +158,16 @@ class _ReplayedInPlace:
         self.target.audio.copy_(self.pool._decode(self.target.slots, self.target.codes))
 
 
+class _ReplayedEagerly:
+    """What a captured decode graph does, run eagerly: the pool's gather-decode-scatter on the graph's inputs."""
+
+    def __init__(self, pool: DecoderPool, graph) -> None:
+        self.pool, self.target = pool, graph
+
+    def replay(self) -> None:
+        self.target.audio = self.pool._decode(self.target.slots, self.target.codes)
+
+
 @torch.inference_mode()
 def test_a_call_past_the_largest_graph_decodes_in_slices_of_it(decoder: CodecDecoder) -> None:
     """More rows than the largest captured bucket: the call runs as slices of that graph (the 256-row graphs cost
@@ -188,9 +198,17 @@ def test_a_call_past_the_largest_graph_decodes_in_slices_of_it(decoder: CodecDec
 @torch.inference_mode()
 def test_the_pools_rows_carry_each_slots_state(decoder: CodecDecoder) -> None:
     """A slot's whole state is one row of the pool (`PackedState`), gathered, decoded into a second batch of rows and
-    scattered back. Requests decoded in changing groups, slots out of order, past the 72-frame window, and a slot
-    reset and reused mid-way: each request hears its offline decode, and a slot's neighbours never leak into it."""
+    scattered back. Requests decoded together in changing groups (through stand-ins for the GPU's graphs, so that
+    they share batches padded onto the scratch slot), slots out of order, past the 72-frame window, and a slot reset
+    and reused mid-way: each request hears its offline decode, and a slot's neighbours never leak into it."""
     pool = DecoderPool(decoder, 4, torch.device("cpu"), torch.float32)
+    for size in (1, 2, 4):
+        for frames in range(1, 6):
+            graph = _Graph.__new__(_Graph)  # its inputs as _Graph makes them; no CUDA graph on the CPU
+            graph.slots = torch.full((size,), pool.scratch_slot, dtype=torch.long)
+            graph.codes = torch.zeros(size, frames, decoder.cfg.num_quantizers, dtype=torch.long)
+            graph.graph = _ReplayedEagerly(pool, graph)
+            pool.graphs[(size, frames)] = graph
     codes = random_codes(100, batch=4, seed=7)
     slot_of = {0: 2, 1: 0, 2: 3}  # request -> slot; request 3 takes request 0's slot once it is done
     heard: dict[int, list[torch.Tensor]] = {request: [] for request in range(4)}

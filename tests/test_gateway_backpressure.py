@@ -63,6 +63,8 @@ def test_a_client_that_stops_reading_is_bounded_warned_and_closed(monkeypatch, p
             told = [(e["type"], e.get("code"), e.get("fatal")) for e in events if e["type"] in ("warning", "error")]
             assert told[-2:] == [("warning", "slow_consumer", None), ("error", "slow_consumer", True)], told
             assert close_code == 1008, (close_code, events[-3:])
+            if reads_again_after_s:  # the server had given up sending: both came the other way
+                assert session._sender_task.cancelled()
             async with connect(server.ws) as other:  # the server is fine
                 assert json.loads(await other.recv())["type"] == "session.started"
         asyncio.run(go())

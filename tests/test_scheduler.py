@@ -66,6 +66,7 @@ class Waiting:
     request_id: int
     interactive: bool
     owner: str | None = None
+    has_text: bool = True  # ready: its prefill has its text
     slot: int = -1
     frames: int = 0
     decoded_frames: int = 0
@@ -73,7 +74,7 @@ class Waiting:
     done: str | None = None
 
     def ready(self) -> bool:
-        return True
+        return self.has_text
 
     def runnable(self) -> bool:
         return True
@@ -109,20 +110,22 @@ def test_one_shot_requests_leave_the_reserved_slots_to_interactive_ones(slots, k
 
 
 @settings(max_examples=200, deadline=None)
-@given(slots=st.integers(1, 12), owners=st.lists(st.sampled_from(["a", "b", "c", None]), min_size=1, max_size=40),
+@given(slots=st.integers(1, 12), owners=st.lists(st.tuples(st.sampled_from(["a", "b", "c", None]), st.booleans()),
+                                                min_size=1, max_size=40),
        finished=st.lists(st.integers(0, 11), max_size=20), admission=st.sampled_from(ADMISSIONS))
 def test_owners_take_turns_for_the_slots(slots, owners, finished, admission):
-    """However many requests one client queues, each free slot goes to a waiting request of the owner that runs the
+    """However many requests one client queues, each free slot goes to a ready request of the owner that runs the
     fewest (a request without owner runs none), each owner's oldest first: a client's first request never waits
-    behind another's many. Slots freed later go by the same rule."""
+    behind another's many, nor behind its own requests that have no text yet. Slots freed later go by the same
+    rule."""
     scheduler = Scheduler(slots, max_prefill_batch=10**6, admission=admission)
-    requests = [Waiting(index, True, owner) for index, owner in enumerate(owners)]
+    requests = [Waiting(index, True, owner, has_text) for index, (owner, has_text) in enumerate(owners)]
     for request in requests:
         scheduler.add(request)
 
     def admit_and_check() -> None:
         turns = Counter(r.owner for r in scheduler.running.values() if r.owner is not None)
-        candidates = list(scheduler.waiting)
+        candidates = [r for r in scheduler.waiting if r.ready()]
         for request in scheduler.admit(lambda request: True):  # replayed turn by turn
             def rank(r: Waiting) -> int:
                 return 0 if r.owner is None else turns[r.owner]

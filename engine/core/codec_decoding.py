@@ -103,6 +103,8 @@ class DecoderPool:
     def reset(self, slots: list[int]) -> None:
         """Fresh states for `slots`: their rows and positions zeroed by a multi-tensor kernel each (no index to
         upload: a request's time to first audio waits for this)."""
+        if not slots:
+            return
         torch._foreach_zero_([self.rows[slot] for slot in slots])
         torch._foreach_zero_([self.position[slot] for slot in slots])
 

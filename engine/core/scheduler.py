@@ -167,9 +167,9 @@ class Scheduler(Generic[S]):
         return admitted
 
     def _in_turns(self) -> list[S]:
-        """The waiting requests in admission order: an owner's k-th oldest waiting request ranks as if its owner ran
-        k more requests than it does, ties oldest first, so owners take turns, the least served first (a request
-        without owner: an owner of its own, running nothing)."""
+        """The waiting requests in admission order: an owner's k-th oldest ready request ranks as if its owner ran k
+        more requests than it does, ties oldest first, so owners take turns, the least served first (a request
+        without owner: an owner of its own, running nothing). A request not ready yet takes no turn of its owner's."""
         running = Counter(seq.owner for seq in self.running.values() if seq.owner is not None)
         queued: Counter[str] = Counter()
         ranked = []
@@ -177,7 +177,7 @@ class Scheduler(Generic[S]):
             turn = 0
             if seq.owner is not None:
                 turn = running[seq.owner] + queued[seq.owner]
-                queued[seq.owner] += 1
+                queued[seq.owner] += seq.ready()
             ranked.append((turn, arrival, seq))
         return [seq for _, _, seq in sorted(ranked, key=lambda entry: entry[:2])]
 
