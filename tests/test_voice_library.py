@@ -77,8 +77,8 @@ async def speak_ws(server, voice: str):
         return await client.speak("c1", ["Stored ", "voices speak."])
 
 
-async def first_append_error(client: VoxgateClient, voice: str) -> str:
-    """The error code a context's first append with `voice` gets."""
+async def first_append_error(client: VoxgateClient, voice: str | None) -> str:
+    """The error code a context's first append with `voice` (None: the session's) gets."""
     await client.append("refused", "Anyone there?", voice=voice)
     async for message in client.events():
         if isinstance(message, dict) and message["type"] in ("error", "context.started"):
@@ -195,6 +195,25 @@ def test_deleting_a_voice_a_context_speaks_with(base_model, tmp_path, one_thread
         assert kept.done is not None and not kept.errors, kept.events
         assert [e["flush_id"] for e in kept.events if e["type"] == "context.flushed"] == [1, 2]
         assert kept.done["audio_ms"] > 0 and refused == "unknown_voice"
+
+
+def test_a_session_keeps_the_default_voice_it_was_told(base_model, tmp_path, one_thread):
+    """A session that names no voice speaks the default its `session.started` named (a Base model's oldest stored
+    voice). Deleted, it refuses the session's next context (`unknown_voice`): it did move to the next stored voice,
+    another speaker, unsaid. A new session gets the new default."""
+    with running_server(model=base_model, data_dir=tmp_path / "data") as server:
+        for name in ("carol", "dave"):
+            assert upload(server, name, wav(), transcript=TRANSCRIPT).status_code == 201
+
+        async def run() -> tuple[str, str, str]:
+            async with VoxgateClient.connect(server.ws, preset="pcm") as client:
+                told = client.session["voice"]
+                assert httpx.delete(server.http + "/v1/audio/voices/carol").status_code == 200
+                refused = await first_append_error(client, None)
+            async with VoxgateClient.connect(server.ws, preset="pcm") as client:
+                return told, refused, client.session["voice"]
+
+        assert asyncio.run(run()) == ("carol", "unknown_voice", "dave")
 
 
 def test_bad_uploads_get_specific_errors(base_model, tmp_path, one_thread):

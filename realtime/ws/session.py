@@ -395,8 +395,9 @@ class Session:
 
     def _send_started(self, event_id: Any = None) -> None:
         config = self.settings.config
+        self.settings.default_voice = self.gateway.voices.default
         self.outbox.put_event(session_started(
-            self.id, self.gateway.model_name, config.voice or self.gateway.voices.default, config,
+            self.id, self.gateway.model_name, config.voice or self.settings.default_voice, config,
             StreamEncoder(config.audio).pre_skip, self.limits, event_id))
 
     def _error(self, failure: ProtocolError, event_id: Any = None) -> None:

@@ -12,6 +12,9 @@ class SessionSettings:
     def __init__(self, config: SessionConfig, checks: SessionChecks, lexicons: LexiconSource | None = None) -> None:
         self.config, self.checks, self.lexicons = config, checks, lexicons
         self.text_started = False  # session.start is refused from then on
+        # the server's default voice as `session.started` named it: the session keeps it, so that a stored default
+        # deleted later refuses the next context (`unknown_voice`) instead of moving it to another voice unsaid
+        self.default_voice: str | None = None
 
     def start(self, message: dict[str, Any]) -> list[ProtocolError]:
         """Merge a session.start; returns the errors of refused fields (the others apply). Raises ProtocolError
@@ -33,8 +36,8 @@ class SessionSettings:
 
         def given(name: str, session_value: Any) -> Any:
             return message[name] if message.get(name) is not None else session_value
-        return (given("voice", self.config.voice), given("instructions", self.config.instructions),
-                given("language", self.config.language))
+        return (given("voice", self.config.voice or self.default_voice),
+                given("instructions", self.config.instructions), given("language", self.config.language))
 
     def context_lexicon(self, message: dict[str, Any]) -> Lexicon | None:
         """A new context's lexicon: its first text.append's (a name or rules), else the session's; raises
