@@ -288,7 +288,8 @@ class VoiceLibrary:
 
 def reference_audio(data: bytes) -> tuple[np.ndarray, int]:
     """An uploaded reference decoded and checked: audio (`invalid_audio`), at least MIN_AUDIO_SECONDS
-    (`audio_too_short`), at most MAX_AUDIO_SECONDS (`audio_too_long`, told before decoding), not silent
+    (`audio_too_short`), at most MAX_AUDIO_SECONDS (`audio_too_long`, told before decoding, or as the decode
+    passes it where the header does not record the length), not silent
     (`audio_silent`)."""
     try:
         audio, rate = decode_reference_audio(data, "the audio", MIN_AUDIO_SECONDS, MAX_AUDIO_SECONDS)

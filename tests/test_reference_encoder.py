@@ -237,6 +237,36 @@ def test_a_file_shorter_than_its_header_says_gives_only_what_it_holds():
     np.testing.assert_array_equal(mono, held.mean(axis=1))
 
 
+def _unrecorded_length(flac: bytes) -> bytes:
+    """The FLAC with its STREAMINFO's total samples zeroed: "unknown", as a FLAC written to a pipe says (FFmpeg's)."""
+    assert flac[:4] == b"fLaC"
+    fields = int.from_bytes(flac[18:26], "big") & ~((1 << 36) - 1)  # rate, channels, bits, then 36 bits of samples
+    return flac[:18] + fields.to_bytes(8, "big") + flac[26:]
+
+
+@pytest.mark.parametrize("seconds, channels, subtype", [(3.0, 1, "PCM_16"), (2.5, 2, "PCM_24"), (31.0, 1, "PCM_16")])
+def test_a_flac_that_does_not_record_its_length_decodes_within_the_bound(seconds, channels, subtype):
+    """libsndfile reads such a file as endless, so it was refused as too long whatever its length (a hostile try's
+    streamed upload), and its reads fail at its end. It decodes to the samples of the same FLAC with its length
+    recorded; past the bound it is refused as too long once the decode passes it, not after."""
+    rate = 24000
+    signal = (0.3 * np.sin(2 * np.pi * 180 * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
+    recorded = io.BytesIO()
+    sf.write(recorded, np.stack([signal, 0.5 * signal], axis=1) if channels == 2 else signal, rate, format="FLAC",
+             subtype=subtype)
+    unrecorded = _unrecorded_length(recorded.getvalue())
+    with sf.SoundFile(io.BytesIO(unrecorded)) as file:
+        assert file.frames == 2**63 - 1  # libsndfile's "endless"
+    if seconds > 30:
+        with pytest.raises(AudioInputError, match=re.escape("too long (over 30 s); at most 30 s")):
+            decode_reference_audio(unrecorded, "upload", max_seconds=30.0)
+        return
+    mono, got_rate = decode_reference_audio(unrecorded, "upload", max_seconds=30.0)
+    expected, _ = decode_reference_audio(recorded.getvalue(), "upload", max_seconds=30.0)
+    assert got_rate == rate and len(mono) == len(signal)
+    np.testing.assert_array_equal(mono, expected)
+
+
 def test_load_reference_audio_errors(tmp_path):
     with pytest.raises(AudioInputError, match="not found.*missing.wav"):
         load_reference_audio(tmp_path / "missing.wav")

@@ -41,6 +41,7 @@ MAX_REFERENCE_PEAK = 2.0  # float audio a little past full scale is taken as it 
 # 30 s upload decodes to at most 184 MB. (Decoding block by block is not the same: libsndfile's MP3 reads differ.)
 MAX_REFERENCE_RATE = 192_000
 MAX_REFERENCE_CHANNELS = 8
+UNKNOWN_FRAMES = 2**63 - 1  # libsndfile's frame count of a file whose header does not record its length
 CHECKPOINT_PREFIX = "encoder."
 
 
@@ -80,10 +81,13 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
             if file.channels > MAX_REFERENCE_CHANNELS:
                 raise UnreadableAudio(f"{name} has {file.channels} channels; at most {MAX_REFERENCE_CHANNELS} are "
                                       "taken")
-            if max_seconds is not None and file.frames / rate > max_seconds:
+            if file.frames == UNKNOWN_FRAMES:
+                audio = _decode_unrecorded_length(source, name, max_seconds, file.channels)
+            elif max_seconds is not None and file.frames / rate > max_seconds:
                 raise ReferenceTooLong(f"{name} is too long ({math.ceil(file.frames / rate * 1000) / 1000:g} s); "
                                        f"at most {max_seconds:g} s is taken")
-            audio = file.read(dtype="float32", always_2d=True)
+            else:
+                audio = file.read(dtype="float32", always_2d=True)
     except AudioInputError:
         raise
     except Exception as exc:  # libsndfile raises several types (LibsndfileError, RuntimeError, TypeError)
@@ -104,6 +108,29 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
         raise UnreadableAudio(f"{name} has samples up to {peak:.3g}: audio is within [-1, 1] (at most "
                               f"{MAX_REFERENCE_PEAK:g} is taken)")
     return np.ascontiguousarray(mono, dtype=np.float32), rate
+
+
+def _decode_unrecorded_length(source: Path | bytes, name: str, max_seconds: float | None, channels: int
+                              ) -> np.ndarray:
+    """A file whose header does not record its length (a FLAC written to a pipe, as FFmpeg and streaming encoders
+    write it): libsndfile reads it as endless, and its reads fail at the end (a seek past the last block), so FFmpeg
+    (PyAV) decodes it a frame at a time, to float32 as libsndfile would, and stops once it is past `max_seconds`
+    (ReferenceTooLong): a small upload cannot expand into hours. -> [samples, channels]."""
+    import av  # the gateway's dependency; only uploads and clone references come here
+
+    with av.open(io.BytesIO(source) if isinstance(source, bytes) else str(source)) as container:
+        stream = container.streams.audio[0]
+        rate = stream.codec_context.sample_rate
+        to_float = av.AudioResampler(format="flt", layout=stream.codec_context.layout, rate=rate)
+        blocks, samples = [], 0
+        for frame in container.decode(stream):
+            for converted in to_float.resample(frame):
+                blocks.append(converted.to_ndarray().reshape(-1, channels))
+                samples += blocks[-1].shape[0]
+            if max_seconds is not None and samples > max_seconds * rate:
+                raise ReferenceTooLong(f"{name} is too long (over {max_seconds:g} s); at most {max_seconds:g} s is "
+                                       "taken")
+    return np.concatenate(blocks) if blocks else np.zeros((0, channels), np.float32)
 
 
 def to_mono(audio: np.ndarray) -> np.ndarray:
