@@ -28,7 +28,7 @@ from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway, Limits
 from realtime.lexicons_http import delete_lexicon, list_lexicons, show_lexicon, store_lexicon
-from realtime.speech_http import read_speech_request, start_speech
+from realtime.speech_http import client_owner, read_speech_request, start_speech
 from realtime.speech_response import CLIENT_GONE, CountedStream, Delivery, speech_response
 from realtime.voice_library import read_upload
 from realtime.ws.protocol import (
@@ -104,7 +104,8 @@ def create_app(gateway: Gateway) -> Starlette:
             spoken = await read_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
             if spoken.sse:  # OpenAI's usage; a long input's tokens take milliseconds: off the event loop
                 delivery.input_tokens = len(await asyncio.to_thread(gateway.tts.tokenizer.encode, spoken.text))
-            return await speech_response(spoken, start_speech(spoken, gateway, auth.key(request)), delivery,
+            owner = client_owner(auth.key(request), request.client.host if request.client else None)
+            return await speech_response(spoken, start_speech(spoken, gateway, owner), delivery,
                                          lambda: _client_gone(request))
         response = await _http(request, gateway, auth, handle)
         if not isinstance(response, CountedStream):  # counts itself once it has ended

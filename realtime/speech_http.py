@@ -211,9 +211,13 @@ def _lexicon(body: dict, gateway: Gateway) -> Lexicon | None:
         raise HTTPFailure.of(failure) from None
 
 
-def _key_owner(key: str | None) -> str | None:
-    """An API key as an engine request's owner: a digest, so that the key itself never leaves the gateway."""
-    return None if key is None else "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+def client_owner(key: str | None, address: str | None) -> str | None:
+    """Whom a speech request's engine request speaks for (SynthesisRequest.owner): its API key, as a digest so that
+    the key itself never leaves the gateway; on an open gateway its peer address (behind a proxy every client is
+    the proxy's, and they share its turns); None if neither is known."""
+    if key is not None:
+        return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    return None if address is None else f"address:{address}"
 
 
 def _bad(message: str) -> HTTPFailure:
@@ -222,13 +226,13 @@ def _bad(message: str) -> HTTPFailure:
 
 def start_speech(request: SpeechRequest, gateway: Gateway, owner: str | None) -> AsyncIterator[np.ndarray]:
     """The request's audio chunks (float32, the model's rate) as they are made; raises HTTPFailure for a bad voice or
-    language at once. `owner`: the client's API key (None on an open gateway): a key's requests take turns with
-    other clients' for the engine's slots."""
+    language at once. `owner` (`client_owner`): a client's requests take turns with other clients' for the engine's
+    slots."""
     try:
         voice = gateway.voices.resolve(gateway.voices.openai_voice(request.voice), request.instructions)
         template = gateway.template(voice, request.language, Sampling(seed=request.seed), request.layout,
                                     interactive=False,  # leaves the engine's reserved slots to conversations
-                                    owner=_key_owner(owner))
+                                    owner=owner)
     except VoiceError as failure:  # an unknown voice (unknown_voice), a bad language or instructions
         raise HTTPFailure(400, failure.code, str(failure)) from None
     speech = gateway.speech_context(template, "none", 0, request.lexicon, READ_AHEAD if request.stream else None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 from types import SimpleNamespace
 
 import openai
@@ -17,7 +18,7 @@ from engine.tts import TTSModel
 from realtime.cli import main
 from realtime.errors import HTTPFailure
 from realtime.gateway import Limits
-from realtime.speech_http import parse_speech_request, speech_body
+from realtime.speech_http import client_owner, parse_speech_request, speech_body
 from realtime.voices import OPENAI_VOICES, VoiceCatalog, parse_openai_voice
 from realtime.ws.protocol import SessionConfig, configure
 from tests.gateway_server import running_server
@@ -241,3 +242,16 @@ def test_openai_sdk_lists_the_served_model_by_every_name_a_request_may_use(serve
                                           extra_body=SEED).content
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.http + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+@given(st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=64),
+       st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=64))
+def test_a_speech_requests_owner_is_its_key_or_its_address(key, other):
+    """Clients take turns for the engine's slots (docs/protocol.md): an HTTP request speaks for its API key, never
+    carried in the clear past the gateway, and on an open gateway for its peer address."""
+    owner = client_owner(key, "10.0.0.1")
+    assert re.fullmatch(r"key:[0-9a-f]{16}", owner)  # a digest of it, whatever the key
+    assert owner == client_owner(key, "10.0.0.2")  # the key, wherever it comes from
+    assert (owner == client_owner(other, "10.0.0.1")) == (key == other)
+    assert client_owner(None, "10.0.0.1") == "address:10.0.0.1" != client_owner(None, "10.0.0.2")
+    assert client_owner(None, None) is None
