@@ -16,7 +16,7 @@ import soxr
 
 from realtime.audio import containers
 from realtime.audio.containers import body_encoder, format_available, whole_file
-from realtime.audio.encoders import OPUS_COMPLEXITY, OPUS_MODES, StreamEncoder, opus_mode
+from realtime.audio.encoders import OPUS_COMPLEXITY, OPUS_MODES, StreamEncoder, opus_mode, pre_skip
 from realtime.audio.formats import (
     DEFAULT_RATES,
     HTTP_FORMATS,
@@ -155,6 +155,8 @@ def test_opus_mode_follows_the_rate_and_bitrate(rate: int, bitrate: int, mode: s
     as pre_skip."""
     assert opus_mode(AudioFormat("opus", rate, 20, bitrate)) == mode
     assert StreamEncoder(AudioFormat("opus", rate, 20, bitrate)).pre_skip == LOOKAHEAD_MS[mode] * rate // 1000
+    assert pre_skip(AudioFormat("opus", rate, 20, bitrate)) == LOOKAHEAD_MS[mode] * rate // 1000  # what a session says
+    assert pre_skip(AudioFormat("pcm_s16le", rate)) == pre_skip(AudioFormat("mulaw", 8000)) == 0
     for each in OPUS_MODES:
         encoder = StreamEncoder(AudioFormat("opus", rate), mode=each)
         assert encoder.pre_skip == LOOKAHEAD_MS[each] * rate // 1000

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from realtime.audio.encoders import StreamEncoder
+from realtime.audio.encoders import pre_skip
 from realtime.gateway import Gateway
 from realtime.lexicon import MAX_RULES, compile_off_loop
 from realtime.ws.backpressure import SlowConsumerPolicy
@@ -398,7 +398,7 @@ class Session:
         self.settings.default_voice = self.gateway.voices.default
         self.outbox.put_event(session_started(
             self.id, self.gateway.model_name, config.voice or self.settings.default_voice, config,
-            StreamEncoder(config.audio).pre_skip, self.limits, event_id))
+            pre_skip(config.audio), self.limits, event_id))
 
     def _error(self, failure: ProtocolError, event_id: Any = None) -> None:
         self.gateway.metrics.socket.error(failure.code)
