@@ -31,16 +31,6 @@ class DecoderState:
     values: list[torch.Tensor] = field(default_factory=list)
     next: DecoderState | None = None
 
-    def history_out(self, key: str) -> torch.Tensor | None:
-        """Where the call writes history `key`; None: it replaces it (`keep_history`)."""
-        return None if self.next is None else self.next.history[key]
-
-    def keep_history(self, key: str, tail: torch.Tensor) -> None:
-        if self.next is None:
-            self.history[key] = tail
-        elif tail is not self.next.history[key]:
-            self.next.history[key].copy_(tail)
-
     def window_out(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Where the call writes layer `layer`'s keys and values; (None, None): it replaces them (`keep_window`)."""
         return (None, None) if self.next is None else (self.next.keys[layer], self.next.values[layer])
@@ -68,10 +58,7 @@ class CausalConv(nn.Module):
                 input_bias: torch.Tensor | None = None, add_bias: bool = True) -> torch.Tensor:
         """`activation`, if given, is applied to x first (fused with the padding on a GPU), after `input_bias` (the
         bias that the convolution which made x left out); `add_bias=False` leaves this convolution's own out."""
-        past, tail = (state.history.get(self.key), state.history_out(self.key)) if self.context else (None, None)
-        x = padded(x, past, self.context, activation, self.fast_path, input_bias, tail)
-        if self.context:
-            state.keep_history(self.key, tail if tail is not None else x[..., -self.context:])
+        x = remembered_padded(x, state, self.key, self.context, activation, self.fast_path, input_bias)
         conv = self.conv
         bias = conv.bias if add_bias else None
         if not self.fast_path:
@@ -96,10 +83,7 @@ class CausalTransposedConv(nn.Module):
         """`activation`, if given, is applied to x first (fused with the padding on a GPU)."""
         n = x.shape[-1]
         # A zero past input contributes nothing; the bias is added once per output either way.
-        past, tail = (state.history.get(self.key), state.history_out(self.key)) if self.overlap else (None, None)
-        x = padded(x, past, self.overlap, activation, self.fast_path, tail=tail)
-        if self.overlap:
-            state.keep_history(self.key, tail if tail is not None else x[..., -self.overlap:])
+        x = remembered_padded(x, state, self.key, self.overlap, activation, self.fast_path)
         start = self.overlap * self.stride
         return self._convolve(x)[..., start: start + n * self.stride]
 
@@ -149,6 +133,19 @@ def padded(x: torch.Tensor, past: torch.Tensor | None, context: int, activation:
     x = torch.cat((past, x), dim=-1)
     if tail is not None:
         tail.copy_(x[..., -context:])
+    return x
+
+
+def remembered_padded(x: torch.Tensor, state: DecoderState, key: str, context: int, activation: SnakeBeta | None,
+                      channels_minor: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`padded` with history `key`'s past read from `state` and the next call's past left behind: written into
+    `state.next` by the padding itself where the decoder pool gave one, else kept as a view of the result."""
+    if not context:
+        return padded(x, None, 0, activation, channels_minor, bias)
+    tail = None if state.next is None else state.next.history[key]
+    x = padded(x, state.history.get(key), context, activation, channels_minor, bias, tail)
+    if tail is None:
+        state.history[key] = x[..., -context:]
     return x
 
 
