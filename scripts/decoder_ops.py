@@ -53,7 +53,7 @@ def real_decoder(dtype: torch.dtype) -> CodecDecoder:
 
 def parts(decoder: CodecDecoder, codes: torch.Tensor, state: DecoderState) -> list[tuple[str, Callable]]:
     """decode_step's stages in order, each a call on the previous one's output (the same calls it makes)."""
-    stages = [("quantizer", lambda _: decoder.quantizer.decode(codes.clamp(min=0).transpose(1, 2))),
+    stages = [("quantizer", lambda _: decoder.quantizer.decode(codes)),
               ("pre_conv", lambda x: decoder.pre_conv(x, state).transpose(1, 2)),
               ("pre_transformer", lambda x: decoder.pre_transformer(x, state).transpose(1, 2))]
     for i, (up, convnext) in enumerate(decoder.upsample):

@@ -3,6 +3,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.config import parse_speech_tokenizer_config
 from engine.core.codec_decoding import DecoderPool, _Graph
@@ -121,6 +123,27 @@ def test_the_fast_path_decodes_as_the_plain_one(decoder: CodecDecoder) -> None:
     streamed = torch.cat([fast.decode_step(codes[:, i:i + 4], state) for i in range(0, 9, 4)], dim=1)
     assert relative_error(streamed, plain) < 1e-5
     assert not any(module.fast_path for module in decoder.modules() if hasattr(module, "fast_path"))
+
+
+@settings(max_examples=15, deadline=None)
+@given(batch=st.integers(1, 3), frames=st.integers(1, 5), negatives=st.integers(0, 16), seed=st.integers(0, 2 ** 16),
+       bf16=st.booleans())
+def test_the_fused_codebook_lookup_is_the_plain_quantizer(decoder: CodecDecoder, batch: int, frames: int,
+                                                          negatives: int, seed: int, bf16: bool) -> None:
+    """Every codebook's lookup and the two sums in one kernel (run here by the interpreter), negative codes (the
+    talker's padding) read as 0: in fp32 the plain path's bits; in bf16 within their roundings (the interpreter
+    truncates each of the 15 partial sums to bf16 where the GPU rounds it to nearest, as the plain path does; the
+    GPU's bits: docs/benchmarks.md)."""
+    quantizer = decoder.quantizer if not bf16 else copy.deepcopy(decoder.quantizer).to(torch.bfloat16)
+    codes = random_codes(frames, batch, seed)
+    codes.view(-1)[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(seed))[:negatives]] = -1
+    with torch.inference_mode():
+        plain, fused = quantizer.decode(codes), quantizer.fused_decode(codes)
+    assert fused.shape == plain.shape == (batch, decoder.cfg.codebook_dim, frames)
+    if bf16:
+        assert relative_error(fused.float(), plain.float()) < 0.03
+    else:
+        assert torch.equal(fused, plain)
 
 
 @torch.inference_mode()

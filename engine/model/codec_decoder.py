@@ -416,9 +416,23 @@ class SplitQuantizer(nn.Module):
         dim = cfg.codebook_dim // 2
         self.rvq_first = ResidualQuantizer(1, cfg.codebook_size, dim, cfg.codebook_dim)
         self.rvq_rest = ResidualQuantizer(cfg.num_quantizers - 1, cfg.codebook_size, dim, cfg.codebook_dim)
+        self.fast_path = False  # `CodecDecoder.use_fast_path`: every lookup and sum in one kernel on a GPU
+        self._books = Derived(lambda *vectors: torch.stack(vectors))
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, n, Q] (negative codes read as 0) -> [B, codebook_dim, n]."""
+        if self.fast_path and codes.is_cuda:
+            return self.fused_decode(codes)
+        codes = codes.clamp(min=0).transpose(1, 2)
         return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])
+
+    def fused_decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """`decode` with every lookup and sum in one Triton kernel: the same bits where bf16 rounds to nearest."""
+        from engine.kernels.codebooks import codebook_sums  # imported here: Triton only where it runs
+        layers = [*self.rvq_first.vq.layers, *self.rvq_rest.vq.layers]
+        books = self._books(*(layer._codebook.vectors() for layer in layers))
+        first, rest = codebook_sums(codes, books, len(self.rvq_first.vq.layers))
+        return self.rvq_first.output_proj(first) + self.rvq_rest.output_proj(rest)
 
 
 class CodecDecoder(nn.Module):
@@ -456,11 +470,13 @@ class CodecDecoder(nn.Module):
         columns) stays as it is: cuDNN's channels-last kernels for it are slow. Only for calls whose convolution
         algorithms were timed (the decoder pool's CUDA graphs): cuDNN's untimed picks in this layout are slower than
         the plain path. The arithmetic is the plain path's: the tests check it on the CPU. The transformer's window
-        attention runs as one kernel per layer (`engine/kernels/window_attention.py`)."""
+        attention runs as one kernel per layer (`engine/kernels/window_attention.py`), and a frame's codebook lookups
+        and sums as one (`engine/kernels/codebooks.py`)."""
         for module in self.modules():
             if isinstance(module, (CausalConv, CausalTransposedConv)):
                 module.fast_path = on and module.conv.groups == 1
         self.pre_transformer.fast_path = on
+        self.quantizer.fast_path = on
 
     def new_state(self, batch: int = 1, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> DecoderState:
@@ -477,7 +493,7 @@ class CodecDecoder(nn.Module):
         """codes [B, n, 16] (the next n frames of each row) -> waveform [B, n * samples_per_frame].
 
         `state` is updated in place, so the next call continues exactly where this one stopped."""
-        x = self.quantizer.decode(codes.clamp(min=0).transpose(1, 2))
+        x = self.quantizer.decode(codes)
         x = self.pre_conv(x, state).transpose(1, 2)
         x = self.pre_transformer(x, state).transpose(1, 2)
         for up, convnext in self.upsample:
