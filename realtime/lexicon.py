@@ -381,6 +381,12 @@ def parse_rules(value: Any, name: str | None = None) -> Lexicon:
     return Lexicon(tuple(rules), name)
 
 
+def has_visible_character(text: str) -> bool:
+    """Whether `text` shows anything: not only format characters (zero-width spaces, joiners), controls, marks or
+    spaces."""
+    return any(unicodedata.category(ch) not in _UNSEEN for ch in text)
+
+
 def _rule(item: Any, index: int) -> Rule:
     if not isinstance(item, dict):
         raise LexiconError(f"rule {index} must be an object {{\"term\": ..., \"replacement\": ...}}")
@@ -390,7 +396,7 @@ def _rule(item: Any, index: int) -> Rule:
     term = _SPACES.sub(" ", term.strip())
     if not term:
         raise LexiconError(f"rule {index}: the term is empty")
-    if all(unicodedata.category(ch) in _UNSEEN for ch in term):
+    if not has_visible_character(term):
         raise LexiconError(f"rule {index}: the term {term!r} has no visible character (only format characters, "
                            "controls or marks)")
     for name, text in (("term", term), ("replacement", replacement)):

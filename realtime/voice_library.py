@@ -25,6 +25,7 @@ from engine.errors import ReferenceTooLong, ReferenceTooShort, RequestError, Tex
 from engine.model.reference_encoder import decode_reference_audio
 from engine.tts import TTSModel, VoiceRequest
 from realtime.errors import voice_failure
+from realtime.lexicon import has_visible_character
 from realtime.voice_store import StoredVoice, VoiceNameTaken, VoiceStore
 from realtime.voices import VoiceCatalog
 from realtime.ws.protocol import MAX_INSTRUCTIONS_CHARS
@@ -177,11 +178,11 @@ async def _upload_of(form: FormData) -> VoiceUpload:
 
 
 def _text_field(form: FormData, field: str) -> str | None:
-    """A text field, None when absent or blank."""
+    """A text field, None when absent or blank (nothing visible: spaces, zero-width or other format characters)."""
     value = form.get(field)
     if isinstance(value, UploadFile):
         raise voice_failure("invalid_message", f"{field} must be a text field, not a file")
-    return value if value is not None and value.strip() else None
+    return value if value is not None and has_visible_character(value) else None
 
 
 class VoiceLibrary:

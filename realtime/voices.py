@@ -131,9 +131,10 @@ class VoiceCatalog:
         speakers of a CustomVoice model."""
         return voice_id in self._stored or self._key(voice_id) in self.builtin_ids
 
-    def takes_instructions(self, voice_id: str) -> bool:
-        """Instructions shape this voice: a built-in speaker or the VoiceDesign model's voice, not a stored voice
-        (it keeps what it was saved with) nor a clone."""
+    def takes_instructions(self, voice_id: str | None) -> bool:
+        """Instructions shape this voice (None: the default): a built-in speaker or the VoiceDesign model's voice, not
+        a stored voice (it keeps what it was saved with) nor a clone."""
+        voice_id = voice_id if voice_id is not None else self.default
         return voice_id not in self._stored and self.variant != "base"
 
     def add_stored(self, stored: StoredVoice, voice: Voice) -> None:

@@ -107,6 +107,24 @@ async def designed_session_names_stored(server) -> str:
     raise AssertionError("the socket closed")
 
 
+async def session_instructions(server, **query: str) -> tuple[list[str], str, bool]:
+    """A session.start that gives instructions (`query` in the URL): the codes of the session's errors, the voice its
+    next context speaks with and whether that context finished."""
+    async with VoxgateClient.connect(server.ws, preset="pcm", **query) as client:
+        await client.start(instructions="An angry voice.")
+        spoken = await client.speak("c1", ["Stored voices speak."])
+        codes, events = [], client.events()
+        while True:  # the session's own events (a context's go to `speak`)
+            try:
+                message = await asyncio.wait_for(anext(events), 0.5)
+            except asyncio.TimeoutError:
+                break
+            if isinstance(message, dict) and message["type"] == "error":
+                codes.append(message["code"])
+        voice = next(e for e in spoken.events if e["type"] == "context.started")["voice"]
+        return codes, voice, spoken.done is not None
+
+
 async def refused_voice(server, voice: str) -> str:
     async with VoxgateClient.connect(server.ws, preset="pcm") as client:
         return await first_append_error(client, voice)
@@ -325,6 +343,11 @@ def test_models_that_cannot_make_voices_and_voice_design(tiny_checkpoints, tmp_p
         assert designed[0] == 200 and designed == speech(server, "design", instructions="A calm, low narrator's voice.")
         assert speech(server, "narrator", instructions="Another voice.")[0] == 400
         assert asyncio.run(designed_session_names_stored(server)) == "invalid_message"
+        # a session whose voice is the stored one refuses instructions as a context's first append does
+        assert asyncio.run(session_instructions(server, voice="narrator")) == (["invalid_config"], "narrator", True)
+        assert asyncio.run(session_instructions(server)) == ([], "design", True)
+        invisible = upload(server, "blank", instruction=" \u200b\u2060 ")  # nothing visible: no instruction
+        assert (invisible.status_code, error_code(invisible)) == (400, "invalid_message")
     with running_server(model=tiny_checkpoints["voice_design"], data_dir=data_dir) as server:
         assert speech(server, "narrator") == designed
 

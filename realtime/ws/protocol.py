@@ -371,6 +371,8 @@ class SessionChecks(Protocol):
 
     def check_language(self, language: str) -> None: ...
 
+    def takes_instructions(self, voice: str | None) -> bool: ...
+
 
 class LexiconSource(Protocol):
     """Where a `lexicon` field's value becomes a lexicon: a stored one's name or rules given inline (the gateway's
@@ -383,9 +385,11 @@ def configure(config: SessionConfig, fields: dict[str, Any], checks: SessionChec
               lexicons: LexiconSource | None = None) -> tuple[SessionConfig, list[ProtocolError]]:
     """`config` updated field by field from session.start fields or query parameters (the preset first, explicit
     fields over it); a bad field is refused with its error (`invalid_config` / `unsupported_format`) and keeps its
-    previous value, the others apply. `checks` refuses a voice or language the model does not have; `lexicons`
-    resolves a `lexicon` field (without it the field is refused)."""
+    previous value, the others apply. `checks` refuses a voice or language the model does not have, and instructions
+    for a voice that takes none (`invalid_config`, as PROTOCOL.md's bad session field); `lexicons` resolves a
+    `lexicon` field (without it the field is refused)."""
     errors = []
+    previous_instructions = config.instructions
     preset = fields.get("preset")
     if preset is not None:
         if isinstance(preset, str) and preset in PRESETS:
@@ -399,6 +403,12 @@ def configure(config: SessionConfig, fields: dict[str, Any], checks: SessionChec
                 config = _apply(config, {name: value}, checks)
             except ProtocolError as failure:
                 errors.append(failure)
+    given = fields.get("instructions")
+    if given and config.instructions == given and checks is not None and not checks.takes_instructions(config.voice):
+        voice = repr(config.voice) if config.voice else "the server's default voice"
+        errors.append(ProtocolError("invalid_config", f"{voice} takes no instructions (a stored voice keeps its own, "
+                                                      "a Base model's voices take none); they were not applied"))
+        config = replace(config, instructions=previous_instructions)
     if fields.get("lexicon") is not None:
         try:
             config = replace(config, lexicon=lexicon_of(fields["lexicon"], lexicons, "invalid_config"))
