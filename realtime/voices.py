@@ -126,16 +126,23 @@ class VoiceCatalog:
             return "vivian"
         return ids[0] if ids else None
 
+    @property
+    def _speakers_take_instructions(self) -> bool:
+        """A CustomVoice model's speakers take instructions on the 1.7B model, not on the 0.6B one."""
+        return self.variant == "custom_voice" and self.tts.config.tts_model_size != "0b6"
+
     def has(self, voice_id: str) -> bool:
         """A voice of that id exists (built in, given at start-up or stored); ids are case-sensitive, except the
         speakers of a CustomVoice model."""
         return voice_id in self._stored or self._key(voice_id) in self.builtin_ids
 
     def takes_instructions(self, voice_id: str | None) -> bool:
-        """Instructions shape this voice (None: the default): a built-in speaker or the VoiceDesign model's voice, not
-        a stored voice (it keeps what it was saved with) nor a clone."""
+        """Instructions shape this voice (None: the default): the VoiceDesign model's voice or a 1.7B CustomVoice
+        speaker; not a stored voice (it keeps what it was saved with), a clone, nor a 0.6B CustomVoice speaker."""
         voice_id = voice_id if voice_id is not None else self.default
-        return voice_id not in self._stored and self.variant != "base"
+        if voice_id in self._stored or self.variant == "base":
+            return False
+        return self._speakers_take_instructions or self.variant == "voice_design"
 
     def add_stored(self, stored: StoredVoice, voice: Voice) -> None:
         self._stored[stored.name] = (stored, voice)
@@ -161,8 +168,7 @@ class VoiceCatalog:
 
     def describe(self) -> dict[str, Any]:
         """The body of GET /v1/voices."""
-        instructions = self.variant == "voice_design" or (
-            self.variant == "custom_voice" and self.tts.config.tts_model_size != "0b6")
+        instructions = self.variant == "voice_design" or self._speakers_take_instructions
         voices = [{"id": voice, "variant": self.variant, "languages": self.tts.config.languages,
                    "instructions": "required" if self.variant == "voice_design" else instructions}
                   for voice in self.builtin_ids]

@@ -578,7 +578,8 @@ def decoder_agreement(tts: TTSModel, generator: torch.Generator) -> dict:
                               for at in range(0, 100, 4)], dim=1)
         long_exact = reference.decode(long_codes)
     scale = exact.abs().max().item()
-    kernel = conv_kernel_agreement(tts.device) | codebook_agreement(tts, generator) if tts.device.type == "cuda" else {}
+    kernel = (conv_kernel_agreement(tts.device) | codebook_agreement(tts, generator)) if tts.device.type == "cuda" \
+        else {}
     return kernel | dict(fp32_max_abs_error=(fp32 - exact).abs().max().item(),
                          fp32_streamed_100_frames_max_abs_error=(streamed - long_exact).abs().max().item(),
                 model_dtype_max_abs_error=(model_dtype - exact).abs().max().item(), audio_peak=scale,

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import io
 import json
+import shutil
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -107,11 +108,12 @@ async def designed_session_names_stored(server) -> str:
     raise AssertionError("the socket closed")
 
 
-async def session_instructions(server, **query: str) -> tuple[list[str], str, bool]:
-    """A session.start that gives instructions (`query` in the URL): the codes of the session's errors, the voice its
-    next context speaks with and whether that context finished."""
+async def session_instructions(server, instructions: str = "An angry voice.", **query: str
+                               ) -> tuple[list[str], str, bool]:
+    """A session.start that gives `instructions` (`query` in the URL): the codes of the session's errors, the voice
+    its next context speaks with and whether that context finished."""
     async with VoxgateClient.connect(server.ws, preset="pcm", **query) as client:
-        await client.start(instructions="An angry voice.")
+        await client.start(instructions=instructions)
         spoken = await client.speak("c1", ["Stored voices speak."])
         codes, events = [], client.events()
         while True:  # the session's own events (a context's go to `speak`)
@@ -350,6 +352,24 @@ def test_models_that_cannot_make_voices_and_voice_design(tiny_checkpoints, tmp_p
         assert (invisible.status_code, error_code(invisible)) == (400, "invalid_message")
     with running_server(model=tiny_checkpoints["voice_design"], data_dir=data_dir) as server:
         assert speech(server, "narrator") == designed
+
+
+def test_session_instructions_for_voices_that_take_none_are_refused(tiny_checkpoints, base_model, tmp_path,
+                                                                    one_thread):
+    """A 0.6B CustomVoice model's speakers and a Base model's voices take no instructions: a session.start giving
+    some gets `invalid_config` (blank ones mean none), and its contexts speak; a 1.7B speaker takes them."""
+    small = tmp_path / "0b6"
+    shutil.copytree(tiny_checkpoints["custom_voice"], small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(config | {"tts_model_size": "0b6"}))
+    with running_server(model=small, data_dir=tmp_path / "small") as server:
+        assert asyncio.run(session_instructions(server)) == (["invalid_config"], "vivian", True)
+        assert asyncio.run(session_instructions(server, instructions=" ")) == ([], "vivian", True)
+    with running_server(model=tiny_checkpoints["custom_voice"], data_dir=tmp_path / "large") as server:
+        assert asyncio.run(session_instructions(server)) == ([], "vivian", True)
+    with running_server(model=base_model, data_dir=tmp_path / "base") as server:
+        assert upload(server, "alice", wav()).status_code == 201
+        assert asyncio.run(session_instructions(server)) == (["invalid_config"], "alice", True)
 
 
 def test_concurrent_uploads_keep_the_library_within_its_limit(base_model, one_thread):

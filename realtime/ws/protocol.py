@@ -365,7 +365,7 @@ def _not_finite(value: Any) -> bool:
 # --- session configuration ---------------------------------------------------------------------------------------
 
 class SessionChecks(Protocol):
-    """What the served model accepts; the gateway's voice catalog answers (raises ProtocolError when not)."""
+    """What the served model accepts; the gateway's voice catalog answers (its checks raise ProtocolError)."""
 
     def check_voice(self, voice: str) -> str: ...
 
@@ -404,10 +404,12 @@ def configure(config: SessionConfig, fields: dict[str, Any], checks: SessionChec
             except ProtocolError as failure:
                 errors.append(failure)
     given = fields.get("instructions")
-    if given and config.instructions == given and checks is not None and not checks.takes_instructions(config.voice):
-        voice = repr(config.voice) if config.voice else "the server's default voice"
-        errors.append(ProtocolError("invalid_config", f"{voice} takes no instructions (a stored voice keeps its own, "
-                                                      "a Base model's voices take none); they were not applied"))
+    if isinstance(given, str) and given.strip() and config.instructions == given and checks is not None \
+            and not checks.takes_instructions(config.voice):
+        voice = f"the voice {config.voice!r}" if config.voice else "this model's default voice"
+        errors.append(ProtocolError("invalid_config", f"{voice} takes no instructions (a stored voice keeps its own; "
+                                                      "a Base model's voices and a 0.6B CustomVoice model's speakers "
+                                                      "take none); they were not applied"))
         config = replace(config, instructions=previous_instructions)
     if fields.get("lexicon") is not None:
         try:
