@@ -90,12 +90,13 @@ def test_silu_mul_is_swiglu(dtype):
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_sampler_picks_the_ids_of_the_reference_sampler(dtype):
-    """Temperature, top-k with ties at the k-th value, top-p, greedy rows, -inf logits, negative seeds."""
+    """Temperature, top-k with ties at the k-th value, top-p, greedy rows, -inf logits, negative seeds; the logits
+    in the dtype the model writes them (the top-k search then runs over that dtype's bits alone)."""
     generator = torch.Generator().manual_seed(4)
     rows, vocab = 12, 2048
-    logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype).float()
+    logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
     logits[0, 5] = float("-inf")
     logits[1, :1000] = float("-inf")
     logits[2] = torch.round(logits[2] * 2) / 2  # many ties
@@ -114,19 +115,45 @@ def test_fused_sampler_picks_the_ids_of_the_reference_sampler(dtype):
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 3), vocab=st.integers(2, 3072), top_k=st.integers(0, 3100), top_p=st.floats(0.0, 1.0),
-       temperature=st.floats(0.05, 3.0), steps=st.sampled_from([0.0, 0.5, 2.0]), seed=st.integers(-2**62, 2**62))
-def test_fused_sampler_picks_the_reference_ids_for_any_settings(rows, vocab, top_k, top_p, temperature, steps, seed):
+       temperature=st.floats(1e-30, 3.0) | st.floats(0.05, 3.0), steps=st.sampled_from([0.0, 0.5, 2.0]),
+       seed=st.integers(-2**62, 2**62), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_fused_sampler_picks_the_reference_ids_for_any_settings(rows, vocab, top_k, top_p, temperature, steps, seed,
+                                                                 dtype):
     """Generated vocabularies (the code predictor's 2,048 and the talker's 3,072 among them), cut-offs, temperatures
-    and logits rounded onto a grid (`steps`: many ties at the cut-offs) against `sampling.choose`."""
+    (tiny ones divide large logits into infinities: ties the logits did not have), logits rounded onto a grid
+    (`steps`: many ties at the cut-offs) and the model's dtypes against `sampling.choose`."""
     generator = torch.Generator().manual_seed(abs(seed) % 2**32)
     logits = torch.randn(rows, vocab, generator=generator) * 3
     if steps:
         logits = torch.round(logits * steps) / steps
+    logits = logits.to(dtype)
     params = SamplerBatch(do_sample=torch.ones(rows, dtype=torch.bool), temperature=torch.full((rows,), temperature),
                           top_k=torch.full((rows,), top_k), top_p=torch.full((rows,), top_p))
     seeds, frames = torch.full((rows,), seed), torch.arange(rows)
     expected = choose(logits, params, seeds, draw_counter(frames, 3))
     assert torch.equal(fused_choose(logits, params, seeds, frames, 3), expected)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_sampler_top_one_is_exact_at_one_ulp_and_where_the_temperature_makes_ties(dtype):
+    """Top-1 draws where the best logit is one ulp of its dtype above the next (rows 0-31: only the best may be drawn),
+    and where a tiny temperature divides both into +inf (rows 32-63: the reference keeps both, the first drawn)."""
+    rows, vocab = 64, 300
+    below = torch.tensor(1.0, dtype=dtype)
+    best = below + torch.finfo(dtype).eps  # the next value up: the same exponent, the last mantissa bit
+    logits = torch.full((rows, vocab), -20.0, dtype=dtype)
+    token = torch.arange(rows) % vocab + 7
+    logits[torch.arange(rows), token] = best
+    logits[torch.arange(rows), token - 1] = below
+    assert (logits[:, 0] < logits[0, token[0] - 1]).all() and below < best
+    temperature = torch.where(torch.arange(rows) < 32, 0.9, 1e-45)
+    params = SamplerBatch(do_sample=torch.ones(rows, dtype=torch.bool), temperature=temperature,
+                          top_k=torch.ones(rows, dtype=torch.long), top_p=torch.ones(rows))
+    seeds, frames = torch.arange(rows) * 7919, torch.arange(rows)
+    expected = choose(logits, params, seeds, draw_counter(frames, 1))
+    assert torch.equal(expected[:32], token[:32]) and torch.equal(expected[32:], token[32:] - 1)
+    assert torch.equal(fused_choose(logits, params, seeds, frames, 1), expected)
 
 
 @pytest.mark.parametrize("context, has_past", [(6, True), (54, True), (6, False), (1, True), (0, False)])

@@ -6,6 +6,7 @@ CUDA graph where the runner pads its steps (`prefill_graphs`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.core.fused_layers import PREDICTOR_FEW_ROWS, TALKER_FEW_ROWS, FusedLayers
 from engine.core.kv_cache import SlotKVCache
@@ -29,6 +30,11 @@ class FusedFramePath:
                                      PREFILL_BUCKETS if pad_prefill else (), capture)
         predictor = talker.code_predictor
         self.predictor_layers = FusedLayers(predictor.model, PREDICTOR_FEW_ROWS)
+        # Every code's input to the code predictor (its embedding, projected to the predictor's width) computed once:
+        # a sub-step looks its row up, one launch where an embedding and a matmul were two.
+        with torch.no_grad():
+            self.projected_codes = [predictor.small_to_mtp_projection(table.weight)
+                                    for table in predictor.model.codec_embedding]
         layers = predictor.cfg.layers
         device, dtype = cache.k.device, cache.k.dtype
         shape = (layers.num_hidden_layers, rows, layers.num_key_value_heads, predictor.cfg.num_code_groups,
@@ -56,20 +62,22 @@ class FusedFramePath:
         batch = hidden.shape[0]
         # The predictor's prefill: (talker hidden, code 0) at positions 0 and 1 of each row's cache.
         pair = predictor.small_to_mtp_projection(torch.stack((hidden, talker.codec_embed(code)), dim=1))
-        state = self._predictor(pair.reshape(2 * batch, -1), self.pair_positions[: 2 * batch],
-                                self.pair_rows[: 2 * batch]).view(batch, 2, -1)[:, 1]
+        logits = self._predictor(pair.reshape(2 * batch, -1), self.pair_positions[: 2 * batch],
+                                 self.pair_rows[: 2 * batch], 0).view(batch, 2, -1)[:, 1]
         codes = [code]
         for group in range(cfg.num_code_groups - 1):
-            code = fused_choose(predictor.lm_head[group](state), sampling.code_predictor, sampling.seeds,
-                                frame_index, group + 1, cfg.num_code_groups)
+            code = fused_choose(logits, sampling.code_predictor, sampling.seeds, frame_index, group + 1,
+                                cfg.num_code_groups)
             codes.append(code)
             if group + 2 < cfg.num_code_groups:
-                embed = predictor.small_to_mtp_projection(predictor.model.codec_embedding[group](code))
-                state = self._predictor(embed, self.group_positions[group + 2, :batch], self.rows[:batch])
+                embed = F.embedding(code, self.projected_codes[group])
+                logits = self._predictor(embed, self.group_positions[group + 2, :batch], self.rows[:batch], group + 1)
         return torch.stack(codes, dim=1)
 
-    def _predictor(self, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.predictor_layers(x, positions, rows, self.predictor_k, self.predictor_v)
+    def _predictor(self, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:
+        """The code predictor's pass over x -> the logits of code `group` + 1 (its head `group`)."""
+        return self.predictor_layers(x, positions, rows, self.predictor_k, self.predictor_v,
+                                     self.talker.code_predictor.lm_head[group].weight)
 
     def advance(self, step_input: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.talker_layers(step_input, positions, slots, self.cache.k, self.cache.v)

@@ -60,15 +60,20 @@ class FusedLayers:
         self.inv_freq = stack.rotary.inv_freq(stack.norm.weight.device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
+                 v_cache: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H] (consumed: it becomes the residual), one token per row at positions [N] of cache slots
-        [N]; caches [layers, slots, Hkv, capacity, D]. Returns the final-normed hidden states [N, H].
+        [N]; caches [layers, slots, Hkv, capacity, D]. Returns the final-normed hidden states [N, H], or with `head`
+        [V, H] (an output layer without bias) their logits [N, V]: for a few rows the final norm is then folded into
+        the head's matmul, a launch less.
 
         Several rows may share a slot (a prefill): every row's key is stored before any row attends, and each row
         sees its slot's positions up to its own."""
         lengths = positions + 1
         if x.shape[0] <= self.few_rows:
-            return self._few_rows(x, positions, slots, lengths, k_cache, v_cache)
+            self._few_rows(x, positions, slots, lengths, k_cache, v_cache)
+            if head is not None:
+                return few_rows_linear(x, head, norm=self.stack.norm.weight, eps=self.eps)
+            return add_rms_norm(x, None, self.stack.norm.weight, self.eps)
         norms = [merged.layer.input_layernorm.weight for merged in self.layers[1:]] + [self.stack.norm.weight]
         normed = add_rms_norm(x, None, self.layers[0].layer.input_layernorm.weight, self.eps)
         for index, (merged, next_norm) in enumerate(zip(self.layers, norms)):
@@ -79,14 +84,14 @@ class FusedLayers:
                                   self.eps)
             normed = add_rms_norm(x, layer.mlp.down_proj(silu_mul(F.linear(normed, merged.gate_up))), next_norm,
                                   self.eps)
-        return normed
+        return normed if head is None else F.linear(normed, head)
 
     def _few_rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """A few tokens (a lone request's step; the code predictor's sub-steps and prefill at low load): the norms,
-        SwiGLU and residual adds fused into the matmuls (`few_rows_linear`), 6 launches a block instead of 9: at one
-        row 29% less time in the code predictor's blocks, 14% in the talker's (docs/benchmarks.md). Each row's bits
-        are its own, whatever the other rows."""
+                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """A few tokens (a lone request's step; the code predictor's sub-steps and prefill at low load) through the
+        blocks, x the residual stream: the norms, SwiGLU and residual adds fused into the matmuls
+        (`few_rows_linear`), 6 launches a block instead of 9: at one row 29% less time in the code predictor's
+        blocks, 14% in the talker's (docs/benchmarks.md). Each row's bits are its own, whatever the other rows."""
         for index, merged in enumerate(self.layers):
             layer = merged.layer
             qkv = few_rows_linear(x, merged.qkv, merged.qkv_bias, norm=layer.input_layernorm.weight, eps=self.eps)
@@ -96,7 +101,6 @@ class FusedLayers:
             gate_up = few_rows_linear(x, merged.gate_up, norm=layer.post_attention_layernorm.weight, eps=self.eps)
             down = layer.mlp.down_proj
             few_rows_linear(gate_up, down.weight, down.bias, swiglu=True, residual=x)
-        return add_rms_norm(x, None, self.stack.norm.weight, self.eps)
 
     def _attend(self, index: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 lengths: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
