@@ -198,6 +198,28 @@ class _ReplayedEagerly:
 
 
 @torch.inference_mode()
+def test_the_eager_pool_gives_the_same_bits_however_the_frames_are_chunked_and_batched(decoder: CodecDecoder) -> None:
+    """PROTOCOL.md: the same codes give identical fp32 audio however the text was split (the chunks follow when it
+    arrived) and whatever shared the call. Chunks of 1, of 1-3-4-4, of 5-7 and all 12 at once, alone and beside
+    another request, bit for bit."""
+    codes = random_codes(12, batch=2, seed=5)
+
+    def heard(split: list[int], batched: bool) -> torch.Tensor:
+        pool = DecoderPool(decoder, 2, torch.device("cpu"), torch.float32)
+        out, at = [], 0
+        for frames in split:
+            chunk = codes[:, at:at + frames] if batched else codes[:1, at:at + frames]
+            out.append(pool.decode([0, 1] if batched else [0], chunk)[0])
+            at += frames
+        return torch.cat(out)
+
+    alone = heard([1] * 12, batched=False)
+    for split in ([1, 3, 4, 4], [5, 7], [12]):
+        for batched in (False, True):
+            assert torch.equal(heard(split, batched), alone), (split, batched)
+
+
+@torch.inference_mode()
 def test_a_call_past_the_largest_graph_decodes_in_slices_of_it(decoder: CodecDecoder) -> None:
     """More rows than the largest captured bucket: the call runs as slices of that graph (the 256-row graphs cost
     4.8 GiB of the GPU), each slice's audio copied out before a later replay overwrites it, every row's state carried

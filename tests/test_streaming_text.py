@@ -71,6 +71,11 @@ def test_split_text_gives_the_whole_texts_audio(tts, how):
     (audio, finished), _ = run_streaming(engine, [request, other], [pieces(TEXT, how, rng), ["Another one."]], rng)
     assert finished.reason in ("eos", "length") and finished.frames == expected.codes.shape[0]
     np.testing.assert_allclose(audio, expected.audio, atol=1e-5, rtol=0)
+    # PROTOCOL.md: identical fp32 audio however the text was split and whenever it came (held frames are decoded at
+    # once, so the decoder's chunks follow the text's timing), against the whole text at once
+    (whole, _), = run_streaming(Engine(tts, EngineConfig(max_batch=2, capacity=256)), [streaming(tts, "")], [[TEXT]],
+                                rng, max_frames_between=1)
+    assert np.array_equal(audio, whole)
 
 
 def test_a_stream_holds_while_its_text_is_missing(tts):

@@ -11,10 +11,11 @@ decode call costs one launch instead of one per op of the decoder. Batches are p
 frame step's are; a chunk of another length (a final flush) is split into captured lengths by `pieces`, and only a
 voice-clone reference (once per request) runs eagerly.
 
-Without a graph, each request is decoded in a call of its own: the CPU's convolution and matrix kernels (oneDNN, MKL)
-choose their algorithm by batch size, so a batched decode gave a request audio that differed, by ~1e-6, with what it
-was batched with, against PROTOCOL.md's promise of identical fp32 audio however the server batches
-(`scripts/bench_engine.py --parts invariance`).
+Without a graph, each request is decoded in calls of its own, one frame a call: the CPU's convolution and matrix
+kernels (oneDNN, MKL) choose their algorithm by the batch size and the length, so a batched decode gave a request
+audio that differed, by ~1e-6, with what it was batched with (`scripts/bench_engine.py --parts invariance`), and a
+chunk of several frames audio that differed with how its frames were chunked (which follows when its text came),
+against PROTOCOL.md's promise of identical fp32 audio however the text was split and the server batched it.
 """
 from __future__ import annotations
 
@@ -117,14 +118,22 @@ class DecoderPool:
         device = self.rows.device
         index, codes = (_upload(torch.tensor(slots), device), _upload(codes, device))
         largest = max((size for size, length in self.graphs if length == frames), default=0)
-        if not largest:  # one request a call: batch-invariant audio (module docstring)
-            return torch.cat([self._decode(index[row:row + 1], codes[row:row + 1]) for row in range(rows)])
+        if not largest:  # one request and one frame a call: audio however batched and chunked (module docstring)
+            return torch.cat([torch.cat([self._decode(index[row:row + 1], codes[row:row + 1, frame:frame + 1])
+                                         for frame in range(frames)], dim=1) for row in range(rows)])
         if rows <= largest:
             return self._replay(index, codes)
         # each slice's audio is copied out before the next replay: the graphs share one memory pool, so any replay
         # may overwrite another graph's output
         return torch.cat([self._replay(index[at:at + largest], codes[at:at + largest]).clone()
                           for at in range(0, rows, largest)])
+
+    @torch.inference_mode()
+    def prime(self, slot: int, codes: torch.Tensor) -> None:
+        """A voice-clone reference's frames [n, 16] (host) as the slot's left context, never heard: one eager call,
+        the same for every request of that voice."""
+        device = self.rows.device
+        self._decode(_upload(torch.tensor([slot]), device), _upload(codes[None], device))
 
     def _replay(self, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """The graph of the smallest bucket that holds these rows, replayed; its output, valid until the next replay

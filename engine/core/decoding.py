@@ -137,7 +137,7 @@ class Decoding:
                 ref_codes = seq.request.voice.ref_codes
                 if ref_codes is not None and ref_codes.shape[0]:
                     # Voice cloning: the reference frames are the decoder's left context, never heard.
-                    self.decoders.decode([seq.slot], ref_codes[None])
+                    self.decoders.prime(seq.slot, ref_codes)
 
     def queue(self, stepped: list[Sequence], held: list[Sequence]) -> None:
         """Queue the decoding of every request whose next chunk is due, batching those with the same chunk length;
