@@ -193,14 +193,14 @@ def test_binary_frames_count_against_the_same_budget(server):
 
 def test_a_dropped_message_is_named_in_its_error_and_text_has_a_byte_budget(server):
     """A hostile try: 450 appends and a context.end past the rate got errors naming none of them, so the client could
-    not tell that its context.end was dropped. A small dropped message's error carries its event_id and context_id.
-    And parsing costs by the byte: the text a socket sends is budgeted too (twice max_message_bytes a second, bursts
-    of twice that), whatever the message count."""
+    not tell which were dropped. A small dropped message's error carries its event_id and context_id. And parsing
+    costs by the byte: the text a socket sends is budgeted too (twice max_message_bytes a second, bursts of twice
+    that), whatever the message count."""
     async def go():
         async with connect(server.ws) as ws:
             await ws.recv()
             for i in range(60):
-                await ws.send(json.dumps({"type": "context.end", "context_id": f"c{i}", "event_id": f"e{i}"}))
+                await ws.send(json.dumps({"type": "ping", "id": i, "context_id": f"c{i}", "event_id": f"e{i}"}))
             answers = [json.loads(await asyncio.wait_for(ws.recv(), 10)) for _ in range(60)]
             limited = [a for a in answers if a["type"] == "error" and a["code"] == "rate_limited"]
             assert limited and all(a["event_id"] == "e" + a["context_id"][1:] for a in limited), limited
@@ -214,6 +214,34 @@ def test_a_dropped_message_is_named_in_its_error_and_text_has_a_byte_budget(serv
             assert codes.count("rate_limited") >= 1 and "KiB" in next(a["message"] for a in answers
                                                                        if a.get("code") == "rate_limited"), codes
     asyncio.run(go())
+
+
+def test_an_end_a_flush_and_a_cancel_past_the_rate_are_still_handled():
+    """Hostile try 12: clients that send an LLM's burst as one append per token lost the context.end behind them to
+    the rate limit, and their turns hung (no context.done) or held a context each until the session hit its limit.
+    Past the rate, appends are dropped (rate_limited, named); the flush, cancel and end after them are handled."""
+    with running_server(Limits(max_message_rate=20.0), synthetic_frames_per_token=SHORT_SPEECH) as server:
+        async def go():
+            async with connect(server.ws) as ws:
+                await ws.recv()
+                for context_id in ("a", "b"):
+                    await ws.send(json.dumps({"type": "text.append", "context_id": context_id, "text": "Hello"}))
+                for i in range(60):  # a burst of 60 against 20/s with bursts of 40
+                    await ws.send(json.dumps({"type": "text.append", "context_id": "a", "text": f" w{i}",
+                                              "event_id": f"w{i}"}))
+                for kind, context_id in (("context.flush", "a"), ("context.cancel", "b"), ("context.end", "a")):
+                    await ws.send(json.dumps({"type": kind, "context_id": context_id, "event_id": kind}))
+                events = []
+                async with asyncio.timeout(60):
+                    while not any(e["type"] == "context.done" for e in events):
+                        message = await ws.recv()
+                        if isinstance(message, str):
+                            events.append(json.loads(message))
+            limited = [e for e in events if e.get("code") == "rate_limited"]
+            assert limited and all(e["event_id"].startswith("w") for e in limited)
+            kinds = {(e["type"], e.get("context_id")) for e in events}
+            assert {("context.flushed", "a"), ("context.cancelled", "b"), ("context.done", "a")} <= kinds, kinds
+        asyncio.run(go())
 
 
 def test_origin_allow_list(server):

@@ -241,6 +241,23 @@ def parse_message(text: str, schemas: dict[str, dict[str, tuple[tuple[type, ...]
     return check_message(message, schemas, check_unicode=suspect)
 
 
+# Messages that end a context's text or stop it: past the rate they are still handled (when small enough to read for
+# free), so that a client over its budget may lose text, but never leaves a context open or a flush unanswered.
+NEVER_DROPPED = frozenset({"context.end", "context.cancel", "context.flush"})
+
+
+def never_dropped(text: str) -> bool:
+    """Whether a message past the rate is one of `NEVER_DROPPED` (read only when it is at most
+    `MAX_DROPPED_PEEK_BYTES`: a flood of large ones costs no parse)."""
+    if len(text) > MAX_DROPPED_PEEK_BYTES:
+        return False
+    try:
+        message = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, ProtocolError, RecursionError):
+        return False
+    return isinstance(message, dict) and message.get("type") in NEVER_DROPPED
+
+
 def dropped(text: str, reason: str) -> ProtocolError:
     """A `rate_limited` refusal of a message dropped unparsed, carrying its event_id and context_id where the message
     is small enough that reading them costs nothing (a dropped `context.end` must be told apart from the rest)."""

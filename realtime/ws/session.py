@@ -30,6 +30,7 @@ from realtime.ws.protocol import (
     check_message,
     error_event,
     event,
+    never_dropped,
     parse_message,
     session_started,
 )
@@ -226,10 +227,13 @@ class Session:
     # --- client messages -----------------------------------------------------------------------------------------
 
     async def _handle_text(self, text: str) -> bool:
-        """A client's text frame: rate-limited before it is parsed (a flood costs no parse, valid or not); an inline
-        lexicon is compiled on a worker thread first (the largest takes ~0.2 s of Python: on the loop it stalled
-        every socket), then the message is handled as any other."""
+        """A client's text frame: rate-limited before it is parsed (a flood costs no parse, valid or not; a small
+        end, cancel or flush is handled whatever the rate: `never_dropped`); an inline lexicon is compiled on a
+        worker thread first (the largest takes ~0.2 s of Python: on the loop it stalled every socket), then the
+        message is handled as any other."""
         message, refusal = None, self._budget.refusal(text)
+        if refusal is not None and never_dropped(text):
+            refusal = None
         if refusal is None:
             try:
                 message = parse_message(text)
