@@ -65,6 +65,31 @@ def test_a_stream_is_the_servers_audio_at_the_tts_rate(server):
     assert len(reference) // 2 == round(stream.closing_event["audio_ms"] * 16)
 
 
+def test_a_burst_of_tokens_is_all_spoken():
+    """Hostile try 12: 600 tokens pushed at once went as 600 appends; past the server's message rate 193 were dropped
+    and the stream hung. Against a server allowing 20 messages a second (bursts of 40), 240 tokens at once: every
+    word is in the transcript, in order. (Text pushed after a mid-stream `flush()` is dropped by LiveKit itself,
+    which no longer takes several segments a stream.)"""
+    words = [f"w{i}" for i in range(240)]
+
+    async def go():
+        with running_server(Limits(max_message_rate=20.0), synthetic_frames_per_token=1.0) as server:
+            async with TTS(base_url=server.http) as voxgate:
+                stream = voxgate.stream()
+                for index, word in enumerate(words):
+                    stream.push_text((" " if index else "") + word)
+                stream.end_input()
+                async with asyncio.timeout(120):
+                    events = [event async for event in stream]
+                await stream.aclose()
+                return stream, events
+
+    stream, events = asyncio.run(go())
+    spoken_words = [w for e in events for w in e.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+    assert stream.closing_event["type"] == "context.done"
+    assert "".join(spoken_words).split() == words
+
+
 async def spoken(voxgate: TTS, **options) -> tuple[SynthesizeStream, list]:
     """One stream of TEXT run to its end: the stream (its `closing_event`) and its events."""
     stream = voxgate.stream(**options)

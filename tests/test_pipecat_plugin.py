@@ -268,6 +268,52 @@ def test_text_the_server_refuses_ends_its_turn_with_the_code_and_the_next_turn_s
     assert len(run.of(TTSStoppedFrame)) == 2  # the refused turn's and the spoken one's
 
 
+def test_three_refused_turns_in_a_row_leave_the_service_usable(server):
+    """Hostile try 12: three turns in a row refused for their text (emoji only, a lone surrogate) made Pipecat count
+    three contexts with no audio and write the service off, so later turns went unspoken; and each refused turn's
+    `context.end` drew a stray context_not_found. The next turn speaks, the service stays usable, and only the
+    refusals' own codes are reported."""
+    async def go():
+        tts = VoxgateTTSService(url=server.ws)
+        errors = []
+        tts.add_event_handler("on_error", lambda _, frame: errors.append(frame))
+        async with Run(tts, 24000) as run:
+            for text in ("\U0001f600\U0001f389", "Broken \ud800 text.", "\U0001f600"):
+                await run.worker.queue_frame(TTSSpeakFrame(text))
+            await run.turn("Fine text.")
+            await asyncio.wait_for(run.until_finished(3), 60)  # the emoji turns' contexts end too (empty_text)
+            await asyncio.sleep(0.5)  # a stray error would come right after
+        return run, errors
+
+    run, errors = asyncio.run(go())
+    codes = [error.error.split()[2] for error in errors if error.error.startswith("voxgate error")]
+    assert sorted(codes) == ["empty_text:", "empty_text:", "invalid_message:"], errors
+    assert run.tts.is_usable and not any(error.fatal for error in errors), errors
+    spoken = {f.context_id for f in run.of(TTSAudioRawFrame)}
+    assert len(spoken) == 1 and run.finished[spoken.pop()]["type"] == "context.done"
+
+
+def test_a_burst_of_tokens_is_spoken_whole_and_ends_its_turn():
+    """Hostile try 12: a turn's tokens went as one append each; past the server's message rate the rest of the text
+    and the turn's context.end were dropped, so no turn ended and each held a context until the session's limit.
+    Against a server allowing 20 messages a second (bursts of 40), a turn of 200 tokens at once: the audio of its
+    whole text, and the turn ends."""
+    pieces = ["Hello"] + [f" w{i}" for i in range(199)]
+
+    async def go(server):
+        tts = VoxgateTTSService(url=server.ws, sampling=SEED, text_aggregation_mode=TextAggregationMode.TOKEN)
+        async with Run(tts, 24000) as run:
+            await run.turn(*pieces)
+            await asyncio.wait_for(run.until_finished(1), 120)
+        return run, await reference_pcm(server, ["".join(pieces)], 24000, flush=False)
+
+    with running_server(Limits(max_message_rate=20.0), synthetic_frames_per_token=1.0) as server:
+        run, reference = asyncio.run(go(server))
+    (done,) = run.finished.values()
+    assert done["type"] == "context.done"
+    assert b"".join(f.audio for f in run.of(TTSAudioRawFrame)) == reference
+
+
 def test_a_rate_the_server_does_not_send_is_refused_before_connecting(server):
     """Pipecat turns a failed setup into an unusable service and an error naming the cause."""
     async def go():

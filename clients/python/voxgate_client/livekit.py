@@ -1,8 +1,10 @@
 """A LiveKit Agents TTS over voxgate (`pip install 'voxgate-client[livekit]'`).
 
 - `TTS.stream()` is a `SynthesizeStream` over the socket: one voxgate context per stream, LLM tokens appended as
-  they come (they carry their own spaces; the server's buffering decides when they speak), LiveKit's `flush` /
-  `end_input` (the end of the segment) is `context.end`, and the server's word `timestamps` become the frames' timed
+  they come (they carry their own spaces; the server's buffering decides when they speak; tokens that come while an
+  append goes out are joined into the next, at most one append per `APPEND_INTERVAL_S`, so that an LLM's burst stays
+  far under the server's message rate), LiveKit's `flush` mid-stream is `context.flush` (speak what came so far; the
+  stream goes on), `end_input` is `context.end`, and the server's word `timestamps` become the frames' timed
   transcript. The sockets are pooled (LiveKit's `ConnectionPool`, a socket reused up to 300 s after its last use),
   each holding its session with a `keepalive` four times per idle timeout while it waits in the pool.
 - Interruption: LiveKit closes the stream (`aclose`); the context is cancelled, and the socket goes back to the pool
@@ -46,6 +48,9 @@ HTTP_PCM_RATE = 24000  # POST /v1/audio/speech sends pcm as s16le at the model's
 POOL_SESSION_S = 300.0  # LiveKit's pooled sockets live this long after their last use
 CANCEL_ACK_TIMEOUT_S = 5.0  # a socket whose cancel is not acked by then is closed, not pooled
 CLOSING_EVENTS = ("context.cancelled", "context.done")  # a cancel that crossed the context's end is acked by its done
+# at most one append this often (50 a second): a burst of tokens goes as a few appends, far under the server's
+# message rate (200 a second by default), at a cost of at most this much to when a token is sent
+APPEND_INTERVAL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -232,12 +237,30 @@ class SynthesizeStream(tts.SynthesizeStream):
         return None
 
     async def _send_rest(self, connection: Connection, context_id: str) -> None:
-        """Tokens verbatim; LiveKit's flush (the end of the segment) ends the context."""
-        async for data in self._input_ch:
-            if isinstance(data, self._FlushSentinel):
-                break
-            await connection.send("text.append", context_id=context_id, event_id=context_id, text=data)
+        """The tokens verbatim, those waiting joined into one append, then a pause of `APPEND_INTERVAL_S`; a flush
+        mid-stream is `context.flush`; the end of the input (LiveKit's last flush, the channel closed) is
+        `context.end`."""
+        async for first in self._input_ch:
+            items = [first]
+            while not self._input_ch.empty():
+                items.append(self._input_ch.recv_nowait())
+            text = ""
+            for index, item in enumerate(items):
+                if not isinstance(item, self._FlushSentinel):
+                    text += item
+                    continue
+                await self._append(connection, context_id, text)
+                text = ""
+                if index < len(items) - 1 or not self._input_ch.closed:
+                    await connection.send("context.flush", context_id=context_id, event_id=context_id)
+            await self._append(connection, context_id, text)
+            await asyncio.sleep(APPEND_INTERVAL_S)
         await connection.send("context.end", context_id=context_id, event_id=context_id)
+
+    @staticmethod
+    async def _append(connection: Connection, context_id: str, text: str) -> None:
+        if text:
+            await connection.send("text.append", context_id=context_id, event_id=context_id, text=text)
 
     async def _receive(self, connection: Connection, context_id: str, output_emitter: tts.AudioEmitter) -> None:
         stream_id = None

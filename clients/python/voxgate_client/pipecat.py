@@ -5,7 +5,9 @@ How Pipecat's notions map onto the protocol:
 - sentence aggregation (Pipecat's default): each sentence is appended with `flush: true`, so the server speaks it to
   its end at once; Pipecat hands sentences over without the space between them ("Sure!" then "The"), so a space is
   put back between two sentences of a turn. Token streaming: tokens carry their own spaces and go verbatim, and the
-  server's own buffering decides when they speak;
+  server's own buffering decides when they speak; a turn's first token goes at once, later ones that come within
+  `APPEND_INTERVAL_S` of each other go as one append, so that an LLM's burst stays far under the server's message
+  rate;
 - `flush_audio` (the end of a turn, or a settings change) is `context.end`;
 - an interruption is `context.cancel`: the server sends no audio for the context after its ack, and audio already
   on the way is dropped here, since Pipecat forgets the context's audio at once;
@@ -15,12 +17,18 @@ How Pipecat's notions map onto the protocol:
 - audio is PCM at the pipeline's output rate (asked of the server, no resampling); a `keepalive` goes out four
   times per idle timeout, so a quiet pipeline keeps its socket.
 
+A turn whose text the server refuses (`empty_text`, `text_too_long`, ...) is an application error, pushed up the
+pipeline; with no audio, it does not count toward Pipecat's `max_consecutive_zero_audio_contexts` (a silent provider), and the
+`context_not_found` its `context.end` may draw is not reported.
+
 `on_context_finished(service, context_id, event)` fires with the server's `context.done` or `context.cancelled`.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+from collections import deque
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -46,6 +54,10 @@ from voxgate_client.protocol import (
 from voxgate_client.words import is_wide
 
 STOP_FRAME_TIMEOUT_S = 10.0
+# streamed tokens after a turn's first go at most this often (50 appends a second), those that came meanwhile joined:
+# far under the server's message rate (200 a second by default)
+APPEND_INTERVAL_S = 0.02
+REFUSED_REMEMBERED = 64  # turns the server refused, remembered for their late context_not_found and their outcome
 
 
 class VoxgateTTSService(WebsocketTTSService):
@@ -70,6 +82,10 @@ class VoxgateTTSService(WebsocketTTSService):
         self._open_contexts: dict[str, str] = {}  # context id -> the text sent so far, for joining sentences
         self._started_contexts: set[str] = set()  # contexts the server opened (context.started)
         self._stream_contexts: dict[int, str] = {}  # stream id -> context id, for binary frames
+        self._unsent: dict[str, str] = {}  # context id -> streamed tokens waiting for the next append
+        self._appending: asyncio.Task | None = None  # sends `_unsent` every APPEND_INTERVAL_S while there is any
+        self._send_lock = asyncio.Lock()  # an end goes out after the tokens of its context, never between them
+        self._refused: deque[str] = deque(maxlen=REFUSED_REMEMBERED)  # contexts the server did not open
         self._register_event_handler("on_context_finished")
 
     def can_generate_metrics(self) -> bool:
@@ -121,6 +137,7 @@ class VoxgateTTSService(WebsocketTTSService):
         self._open_contexts.clear()
         self._started_contexts.clear()
         self._stream_contexts.clear()
+        self._unsent.clear()
         await self._call_event_handler("on_connected")
 
     async def _reconnect_websocket(self, attempt_number: int) -> bool:
@@ -160,6 +177,14 @@ class VoxgateTTSService(WebsocketTTSService):
         if not self._websocket or self._websocket.state is State.CLOSED:
             await self._connect()
         sent = self._open_contexts.get(context_id)
+        if sent is not None and self._is_streaming_tokens:  # a later token: joined with those waiting
+            self._unsent[context_id] = self._unsent.get(context_id, "") + text
+            self._open_contexts[context_id] = sent + text
+            if self._appending is None:
+                self._appending = self.create_task(self._send_unsent())
+            await self.start_tts_usage_metrics(text)
+            yield None
+            return
         first = self._voice_fields() if sent is None else {}
         try:
             await self._send("text.append", context_id=context_id, event_id=context_id, text=self._joined(sent, text),
@@ -171,6 +196,20 @@ class VoxgateTTSService(WebsocketTTSService):
         self._open_contexts[context_id] = (sent or "") + text
         await self.start_tts_usage_metrics(text)
         yield None
+
+    async def _send_unsent(self) -> None:
+        """Every APPEND_INTERVAL_S, the tokens that came meanwhile as one append per context, until none wait."""
+        try:
+            while self._unsent:
+                await asyncio.sleep(APPEND_INTERVAL_S)
+                async with self._send_lock:
+                    unsent, self._unsent = self._unsent, {}
+                    for context_id, text in unsent.items():
+                        await self._send("text.append", context_id=context_id, event_id=context_id, text=text)
+        except Exception as failure:  # the socket went: Pipecat's reconnect takes over
+            await self.push_error(error_msg=f"voxgate: sending text failed: {failure}", exception=failure)
+        finally:
+            self._appending = None
 
     def _voice_fields(self) -> dict[str, Any]:
         """A context's first append carries the voice as the settings have it now, so that a settings update
@@ -186,7 +225,10 @@ class VoxgateTTSService(WebsocketTTSService):
         context_id = context_id or self.get_active_audio_context_id()
         if context_id in self._open_contexts and self._websocket:
             del self._open_contexts[context_id]
-            await self._send("context.end", context_id=context_id)
+            async with self._send_lock:
+                if text := self._unsent.pop(context_id, ""):
+                    await self._send("text.append", context_id=context_id, event_id=context_id, text=text)
+                await self._send("context.end", context_id=context_id)
 
     async def on_audio_context_interrupted(self, context_id: str) -> None:
         """Barge-in: the server stops the context; its late audio finds no audio context here and is dropped. The
@@ -194,6 +236,7 @@ class VoxgateTTSService(WebsocketTTSService):
         started yet, and the server acks a cancel of any id."""
         await self.stop_all_metrics()
         self._open_contexts.pop(context_id, None)
+        self._unsent.pop(context_id, None)
         if self._websocket and self._websocket.state is State.OPEN:
             await self._send("context.cancel", context_id=context_id)
         await super().on_audio_context_interrupted(context_id)
@@ -249,14 +292,28 @@ class VoxgateTTSService(WebsocketTTSService):
         turn's refused text is the application's, and leaves the service usable."""
         context_id = event.get("context_id") or event.get("event_id")
         message = f"voxgate error {event.get('code')}: {event.get('message')}"
+        if event.get("code") == "context_not_found" and context_id in self._refused:
+            logger.debug(f"{self}: the end of refused turn {context_id} found no context, as expected")
+            return
         if event.get("fatal"):
             await self.push_error(error_msg=message, exception=ServerError(event.get("code", ""),
                                                                            event.get("message", "")))
         else:
             await self.push_error(error_msg=message, category=ErrorCategory.APPLICATION)
+        if context_id and not event.get("fatal"):
+            self._refused.append(context_id)
         if context_id and context_id not in self._started_contexts:
             self._open_contexts.pop(context_id, None)
+            self._unsent.pop(context_id, None)
             await self._finish(context_id)
+
+    async def _record_context_audio_outcome(self, context_id: str, received_audio: bool) -> None:
+        """Pipecat's count of turns that ended with no audio (a provider silent for a bad voice, say) leaves out the
+        turns the server said why of (an error naming the turn, such as empty_text for emoji alone): that error was
+        pushed already, and it is the application's (Pipecat 1.14's hook,
+        `TTSService._record_context_audio_outcome`)."""
+        if received_audio or context_id not in self._refused:
+            await super()._record_context_audio_outcome(context_id, received_audio)
 
     async def _finish(self, context_id: str) -> None:
         self._open_contexts.pop(context_id, None)
