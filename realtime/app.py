@@ -291,7 +291,7 @@ async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable
         return await handle()
     except HTTPFailure as failure:
         gateway.metrics.http.error(failure.code)
-        return JSONResponse(failure.body(), status_code=failure.status)
+        return JSONResponse(failure.body(), status_code=failure.status, headers=failure.headers())
     except ClientDisconnect:
         return Response(status_code=CLIENT_GONE)
 

@@ -21,12 +21,20 @@ ENGINE_ERRORS: tuple[tuple[type[VoxgateError], str, int], ...] = (
 PROTOCOL_STATUS = {"unauthorized": 401, "overloaded": 503, "synthesis_failed": 500, "internal": 500}
 
 
+RETRY_AFTER_S = 1  # a refusal for load: slots and connections free up within seconds
+
+
 @dataclass
 class HTTPFailure(Exception):
     """A refused or failed speech request: its JSON body and status."""
     status: int
     code: str
     message: str
+
+    def headers(self) -> dict[str, str]:
+        """`Retry-After` on a refusal for load (503, 429), which HTTP clients and OpenAI's SDKs wait out before they
+        retry; none on the others."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
 
     def body(self) -> dict:
         """OpenAI's error shape (its SDKs read `type` and `param` too): our code, the message, and OpenAI's type."""

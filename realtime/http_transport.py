@@ -19,7 +19,8 @@ from realtime.errors import HTTPFailure
 def _closing_response(failure: HTTPFailure, reason: str) -> bytes:
     """A whole HTTP/1.1 response written before the app sees the request: the API's JSON error, then the close."""
     body = json.dumps(failure.body()).encode()
-    head = (f"HTTP/1.1 {failure.status} {reason}\r\ncontent-type: application/json\r\n"
+    extra = "".join(f"{name}: {value}\r\n" for name, value in failure.headers().items())
+    head = (f"HTTP/1.1 {failure.status} {reason}\r\ncontent-type: application/json\r\n{extra}"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode() + body
 

@@ -304,6 +304,9 @@ def test_ready_turns_503_when_the_engine_fails(server):
         status, body = server.get("/ready")
         assert status == 503 and "illegal memory access" in json.loads(body)["status"]
         assert server.get("/health")[0] == 200
+        status, headers, body = server.post("/v1/audio/speech", {"input": "Hello."})
+        assert status == 503 and json.loads(body)["error"]["code"] == "overloaded"
+        assert headers.get("retry-after") == "1"  # when to try again (hostile try 12: a 503 said nothing of it)
     finally:
         server.gateway.engine.error = None
 

@@ -215,6 +215,7 @@ def test_connections_past_the_cap_close_the_oldest_silent_one_or_get_a_503(serve
             refused += chunk
         head, _, body = refused.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503") and b"application/json" in head
+        assert b"\r\nretry-after: 1\r\n" in head.lower()  # when to try again, as HTTP clients and OpenAI's SDKs read it
         assert json.loads(body)["error"]["code"] == "overloaded"  # the API's JSON error, as every refusal
     finally:
         for sock in socks:
