@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 import struct
 import urllib.parse
 
@@ -773,6 +774,27 @@ def test_same_seed_same_audio_however_the_text_was_split(server):
             await conn.ws.close()
         assert outputs[0] and outputs[0] == outputs[1]
     run(go())
+
+
+@pytest.mark.parametrize("buffering", ["auto", "none"])
+def test_text_that_stops_without_punctuation_speaks_within_the_buffering_delay(server, buffering):
+    """Hostile try 12: "Okay sure thing", no punctuation, no end: the tokenizer held its last words for more text, so
+    nothing was spoken until the 5 s pause closed the utterance. Once the text has been quiet for the buffering
+    delay (100 ms here) they are read: the first audio comes well inside the pause."""
+    async def go():
+        conn = await session(server)
+        await conn.send(type="session.start", text={"buffering": buffering, "max_buffer_delay_ms": 100})
+        await conn.until(lambda e: e["type"] == "session.started")
+        sent = time.monotonic()
+        await conn.send(type="text.append", context_id="quiet", text="Okay sure thing")
+        await conn.until(lambda e: e["type"] == "binary" and e["context_id"] == "quiet", timeout=4)
+        waited = time.monotonic() - sent
+        await conn.send(type="context.cancel", context_id="quiet")
+        await conn.until(lambda e: e["type"] == "context.cancelled")
+        await conn.ws.close()
+        return waited
+
+    assert run(go()) < 2.0
 
 
 def test_http_speech_voices_health_ready_metrics(server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import aiohttp
 import numpy as np
@@ -205,6 +206,23 @@ def test_text_the_server_refuses_fails_the_stream_with_its_code(server):
     with pytest.raises(APIError) as failure:
         asyncio.run(go())
     assert failure.value.body["code"] == "invalid_message" and not failure.value.retryable
+
+
+def test_text_with_nothing_to_say_fails_the_stream_at_once_without_retries(server):
+    """Hostile try 12: emoji alone get `empty_text` and then `context.done` with no audio; LiveKit took the silent
+    stream for a failure worth retrying (three retries, 4 s). It fails at once, with the server's code, not retried."""
+    async def go():
+        async with TTS(base_url=server.http) as voxgate:
+            stream = voxgate.stream(conn_options=APIConnectOptions(max_retry=3, retry_interval=2.0))
+            stream.push_text("\U0001f600\U0001f389")
+            stream.end_input()
+            return [event async for event in stream]
+
+    started = time.monotonic()
+    with pytest.raises(APIError) as failure:
+        asyncio.run(go())
+    assert failure.value.body["code"] == "empty_text" and not failure.value.retryable
+    assert time.monotonic() - started < 1.5  # no retry waited out
 
 
 def free_port() -> int:

@@ -55,6 +55,34 @@ def test_incremental_tokenization_equals_the_whole_text(tokenizer, how):
             assert incremental(tokenizer, split(text, rng, how)) == tokenizer.target(text)[1], text
 
 
+@settings(max_examples=60, deadline=None)
+@given(words=st.lists(st.sampled_from(["Okay", "sure", "thing", "it's", "3.14", "你好", "naïve", "we'll", "--", "!!",
+                                       "café", "x", "12", "Ωmega"]), min_size=1, max_size=8),
+       settle_after=st.sets(st.integers(0, 7)), trailing=st.booleans())
+def test_settled_words_give_the_whole_texts_ids(tokenizer, words, settle_after, trailing):
+    """The text pauses (`settle`) after any word, with or without a space appended before the pause: the ids
+    released then are final, and all of them are the whole text's, because the next piece starts a word."""
+    stream = IncrementalTokenizer(tokenizer)
+    ids = []
+    for index, word in enumerate(words):
+        ids += stream.append((" " if index else "") + word + (" " if trailing and index in settle_after else ""))
+        if index in settle_after:
+            ids += stream.settle()
+    whole = "".join((" " if i else "") + w + (" " if trailing and i in settle_after else "")
+                    for i, w in enumerate(words))
+    assert ids + stream.finish() == tokenizer.target(whole)[1]
+
+
+def test_a_pause_reads_the_held_words_at_once(tokenizer):
+    """Without a pause the last two pre-tokens wait for more text: "Okay sure thing" gives "Okay" alone; settled, it
+    gives all three words, and its trailing space stays to join the next word."""
+    stream = IncrementalTokenizer(tokenizer)
+    held = stream.append("Okay sure thing ")
+    settled = stream.settle()
+    assert tokenizer.tokenizer.decode(held) == "Okay sure" and tokenizer.tokenizer.decode(settled) == " thing"
+    assert stream.settle() == [] and stream.append("now.") == [] and stream.finish()
+
+
 def test_ids_become_final_while_the_text_arrives(tokenizer):
     """A word-by-word stream releases each word's ids one word later (its last two pre-tokens are held back)."""
     stream = IncrementalTokenizer(tokenizer)

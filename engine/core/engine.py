@@ -198,6 +198,15 @@ class Engine:
         except Exception as error:
             self._fail(seq, request_error(error, "tokenizing its text"))
 
+    def settle_text(self, request_id: int) -> None:
+        """The text of a streaming-text request has paused: its last words are read now instead of when more text
+        shows where they end (`TextFeed.settle`)."""
+        seq = self._find(request_id)
+        try:
+            seq.feed.settle()
+        except Exception as error:
+            self._fail(seq, request_error(error, "tokenizing its text"))
+
     def end_text(self, request_id: int) -> None:
         """The text of a streaming-text request is complete: it speaks to the end, then finishes."""
         seq = self._find(request_id)

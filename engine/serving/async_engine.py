@@ -117,6 +117,10 @@ class FrontEnd:
         """More text for a streaming-text request (ignored once the request has finished or was cancelled)."""
         self._send(Command("append", request_id, text))
 
+    def settle_text(self, request_id: int) -> None:
+        """The request's text has paused: its last words are read now (`Engine.settle_text`)."""
+        self._send(Command("settle", request_id))
+
     def end_text(self, request_id: int) -> None:
         self._send(Command("end", request_id))
 

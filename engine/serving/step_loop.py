@@ -24,7 +24,7 @@ log = logging.getLogger("voxgate")
 
 @dataclass(frozen=True)
 class Command:
-    kind: str  # "submit" | "append" | "end" | "pause" | "resume" | "cancel"
+    kind: str  # "submit" | "append" | "settle" | "end" | "pause" | "resume" | "cancel"
     request_id: int  # the front end's id
     payload: SynthesisRequest | str | None = None  # the request (submit) or the text (append)
 
@@ -74,6 +74,8 @@ class StepLoop:
             match command.kind:
                 case "append":
                     self.engine.append_text(engine_id, command.payload)
+                case "settle":
+                    self.engine.settle_text(engine_id)
                 case "end":
                     self.engine.end_text(engine_id)
                 case "pause" | "resume":

@@ -3,7 +3,10 @@
 `IncrementalTokenizer` gives the same ids as tokenizing the whole text at once: BPE never merges across
 pre-tokens, so an id is final once its pre-token is, and appending text can only change the last two pre-tokens (a
 word that grows, "'" that becomes "'s", trailing spaces that leave one to the next word). The cut also avoids a
-place where Unicode normalisation (NFC) could join the characters on its two sides.
+place where Unicode normalisation (NFC) could join the characters on its two sides. Text that has paused (`settle`:
+the gateway's buffering delay passed with nothing new) gives up its last words too, all but trailing spaces, so
+that "Okay sure thing" is spoken while its client waits; the ids stay the whole text's unless the text after the
+pause continues the last word itself ("thing" then "s").
 
 `TextFeed` is one request's text track in the streaming layout: one token per frame, `tts_eos` once the input has
 ended, then `tts_pad`; `None` while the next token has not arrived, which is when the engine holds the request.
@@ -34,6 +37,13 @@ class IncrementalTokenizer:
             if start >= self._head() and _joinable_cut(self._pending, start):
                 return self._commit(start)
         return []
+
+    def settle(self) -> list[int]:
+        """The text has paused: the ids of all of it but trailing spaces (they may still join the next word)."""
+        cut = len(self._pending.rstrip())
+        if cut <= self._head() or (cut < len(self._pending) and not _joinable_cut(self._pending, cut)):
+            return []
+        return self._commit(cut)
 
     def finish(self) -> list[int]:
         """The end of the input: the remaining ids."""
@@ -83,6 +93,11 @@ class TextFeed:
         if self.ended:
             raise ValueError("text appended after the end of the input")
         self.ids += self._tokens.append(self._cleanup.append(text) if self._cleanup else text)
+
+    def settle(self) -> None:
+        """The text has paused: its words so far are read (`IncrementalTokenizer.settle`)."""
+        if not self.ended:
+            self.ids += self._tokens.settle()
 
     def end(self) -> None:
         if not self.ended:

@@ -131,6 +131,9 @@ class SpeechContext:
         self._speaking: Utterance | None = None  # the utterance that request speaks, while it does
         self._timers: dict[int, asyncio.TimerHandle] = {}  # utterance index -> its buffering deadline
         self._pause: asyncio.TimerHandle | None = None  # closes the utterance being spoken if no text comes
+        self._quiet: asyncio.TimerHandle | None = None  # due the buffering delay after the last text: it settles
+        self._appended_at = 0.0  # the loop's time of the last text of any kind
+        self._settle = False  # the text has been quiet for the buffering delay: the engine reads its last words
         self._last_text_at = 0.0  # the loop's time of the last text planned
         self._pause_due = 0.0  # the loop's time the pause timer was set for
         # the loop's time by which a client that plays each chunk as it arrives, after the one before, has played
@@ -158,6 +161,9 @@ class SpeechContext:
             return
         loop = asyncio.get_running_loop()
         self.planner.append(text, loop.time())
+        self._appended_at, self._settle = loop.time(), False
+        if self._quiet is None:  # one timer a context, as the pause's: it looks at the last text's time
+            self._quiet_after(self.planner.max_buffer_delay_s)
         if speakable(text):  # only text with something to say: spaces alone held a slot for good (a hostile try)
             self._last_text_at = loop.time()
         if self._pause is None:  # one timer a context, not one an append: it looks at the last text's time
@@ -202,8 +208,24 @@ class SpeechContext:
         self._cancel_timers()
 
     def _cancel_timers(self) -> None:
-        for timer in [*self._timers.values(), *(t for t in (self._pause, self._slow_reader) if t is not None)]:
+        for timer in [*self._timers.values(),
+                      *(t for t in (self._pause, self._slow_reader, self._quiet) if t is not None)]:
             timer.cancel()
+
+    def _quiet_after(self, delay_s: float) -> None:
+        # a hair after the planner's own timer, so that an utterance that starts then is settled at once
+        self._quiet = asyncio.get_running_loop().call_later(delay_s + 0.004, self._on_quiet)
+
+    def _on_quiet(self) -> None:
+        """No text for the buffering delay: the utterance being spoken reads its last words now (`_feed`), not when
+        more text shows where they end; a client whose text stops mid-sentence hears it within the delay."""
+        quiet_s = asyncio.get_running_loop().time() - self._appended_at
+        if quiet_s < self.planner.max_buffer_delay_s:
+            self._quiet_after(self.planner.max_buffer_delay_s - quiet_s)
+            return
+        self._quiet = None
+        self._settle = True
+        self._wake.set()
 
     def _queued_audio(self, samples: int) -> None:
         """`read_ahead`: audio for the reader is queued; as much as `pause_s` untaken pauses synthesis."""
@@ -386,6 +408,9 @@ class SpeechContext:
             if utterance.closed:
                 self.engine.end_text(request_id)
                 return
+            if self._settle:
+                self._settle = False
+                self.engine.settle_text(request_id)
             self._wake.clear()
             await self._wake.wait()
 

@@ -7,6 +7,8 @@
   stream goes on), `end_input` is `context.end`, and the server's word `timestamps` become the frames' timed
   transcript. The sockets are pooled (LiveKit's `ConnectionPool`, a socket reused up to 300 s after its last use),
   each holding its session with a `keepalive` four times per idle timeout while it waits in the pool.
+- Text the server will not speak (an error naming the context, then `context.done` with no audio: emoji alone)
+  fails the stream with the server's code, not retried.
 - Interruption: LiveKit closes the stream (`aclose`); the context is cancelled, and the socket goes back to the pool
   once the server's `context.cancelled` ack arrived (no audio of that context follows it), or is closed.
 - `TTS.synthesize()` is a `ChunkedStream` over HTTP `POST /v1/audio/speech` (`response_format: "pcm"`, 24 kHz,
@@ -264,12 +266,14 @@ class SynthesizeStream(tts.SynthesizeStream):
 
     async def _receive(self, connection: Connection, context_id: str, output_emitter: tts.AudioEmitter) -> None:
         stream_id = None
+        heard, refusal = False, None  # audio came; the error that named the context (text it would not speak)
         try:
             async for data in connection.ws:
                 if isinstance(data, bytes):
                     _, frame_stream, _, payload = parse_frame(data)
                     if frame_stream == stream_id and payload:
                         output_emitter.push(payload)
+                        heard = True
                     continue
                 event = json.loads(data)
                 if context_id not in (event.get("context_id"), event.get("event_id")):
@@ -283,6 +287,9 @@ class SynthesizeStream(tts.SynthesizeStream):
                          for word, start, end in zip(event["words"], event["start"], event["end"])])
                 elif kind == "context.done":
                     self.closing_event = event
+                    if refusal is not None and not heard:  # nothing to say (emoji alone): not worth a retry
+                        raise APIError(f"voxgate {refusal.get('code')}: {refusal.get('message')}", body=refusal,
+                                       retryable=False)
                     output_emitter.end_segment()
                     return
                 elif kind == "context.cancelled":  # by the server: its shutdown (retry elsewhere) or a fault
@@ -295,6 +302,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                                    retryable=False)
                 elif kind in ("error", "warning"):  # the context goes on (a dropped append, a slow consumer)
                     logger.warning("voxgate %s %s: %s", kind, event.get("code"), event.get("message"))
+                    refusal = event if kind == "error" else refusal
         except ConnectionClosed as closed:
             raise APIConnectionError(f"voxgate closed the socket ({closed})") from closed
         raise APIConnectionError("voxgate closed the socket before the context was done")
