@@ -30,6 +30,7 @@ class HTTPFailure(Exception):
     status: int
     code: str
     message: str
+    param: str | None = None  # the body field at fault, where one is
 
     def headers(self) -> dict[str, str]:
         """`Retry-After` on a refusal for load (503, 429), which HTTP clients and OpenAI's SDKs wait out before they
@@ -37,14 +38,15 @@ class HTTPFailure(Exception):
         return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
 
     def body(self) -> dict:
-        """OpenAI's error shape (its SDKs read `type` and `param` too): our code, the message, and OpenAI's type."""
+        """OpenAI's error shape (its SDKs read `type` and `param` too): our code, the message, OpenAI's type and the
+        field at fault."""
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return {"error": {"code": self.code, "message": self.message, "type": kind, "param": None}}
+        return {"error": {"code": self.code, "message": self.message, "type": kind, "param": self.param}}
 
     @classmethod
-    def of(cls, failure: ProtocolError, status: int | None = None) -> "HTTPFailure":
+    def of(cls, failure: ProtocolError, status: int | None = None, param: str | None = None) -> "HTTPFailure":
         """A protocol error on HTTP: 400 unless its code says otherwise."""
-        return cls(status or PROTOCOL_STATUS.get(failure.code, 400), failure.code, failure.message)
+        return cls(status or PROTOCOL_STATUS.get(failure.code, 400), failure.code, failure.message, param)
 
 
 def engine_error(error: BaseException | None, context_id: str | None = None) -> ProtocolError:

@@ -101,9 +101,10 @@ def parse_speech_request(body: dict[str, Any], gateway: Gateway) -> SpeechReques
         raise HTTPFailure(400, "empty_text" if isinstance(text, str) else "invalid_message",
                           "input has no letter or digit to speak" if text else
                           "input is empty: give the text to speak" if isinstance(text, str) else
-                          "input is required: the text to speak")
+                          "input is required: the text to speak", "input")
     if len(text) > gateway.limits.max_text_chars:
-        raise HTTPFailure(400, "text_too_long", f"input takes at most {gateway.limits.max_text_chars} characters")
+        raise HTTPFailure(400, "text_too_long", f"input takes at most {gateway.limits.max_text_chars} characters",
+                          "input")
     _check_model(body.get("model"), gateway)
     voice = _voice(body)
     speed = _speed(body)
@@ -112,16 +113,16 @@ def parse_speech_request(body: dict[str, Any], gateway: Gateway) -> SpeechReques
     if response_format not in HTTP_FORMATS or not format_available(response_format):
         offered = [name for name in HTTP_FORMATS if format_available(name)]
         raise HTTPFailure(400, "unsupported_format", f"response_format {response_format[:32]!r} is not available; "
-                                                     f"use one of: {', '.join(offered)}")
+                                                     f"use one of: {', '.join(offered)}", "response_format")
     stream_format = "audio" if body.get("stream_format") is None else body["stream_format"]
     if stream_format not in ("audio", "sse"):
-        raise _bad("stream_format must be \"audio\" or \"sse\"")
+        raise _bad("stream_format must be \"audio\" or \"sse\"", "stream_format")
     seed = body.get("seed")
     if seed is not None:
         try:
             seed = sampling_value("seed", seed, label="seed")
         except ProtocolError as failure:
-            raise _bad(failure.message) from None
+            raise _bad(failure.message, "seed") from None
     sse = stream_format == "sse"
     _refuse_blank("language", body.get("language"))
     return SpeechRequest(text, voice, body.get("instructions"), body.get("language") or "auto",
@@ -131,11 +132,11 @@ def parse_speech_request(body: dict[str, Any], gateway: Gateway) -> SpeechReques
 def _check_strings(body: dict) -> None:
     for name in STRING_FIELDS:
         if body.get(name) is not None and not isinstance(body[name], str):
-            raise _bad(f"{name} must be a string")
+            raise _bad(f"{name} must be a string", name)
         try:
             check_limit(name, body.get(name) or "", limits=FIELD_LIMITS_HTTP)
         except ProtocolError as failure:
-            raise HTTPFailure.of(failure) from None
+            raise HTTPFailure.of(failure, param=name) from None
 
 
 def _check_model(model: str | None, gateway: Gateway) -> None:
@@ -144,7 +145,7 @@ def _check_model(model: str | None, gateway: Gateway) -> None:
     is a mistake worth saying."""
     if model is not None and model not in gateway.model_names and not OPENAI_TTS_MODEL.fullmatch(model):
         raise _bad(f"unknown model {model[:64]!r}; this server serves {gateway.model_name!r}: use one of "
-                   f"{', '.join(gateway.model_names)}, or an OpenAI speech model: {OPENAI_MODEL_EXAMPLES}")
+                   f"{', '.join(gateway.model_names)}, or an OpenAI speech model: {OPENAI_MODEL_EXAMPLES}", "model")
 
 
 def _voice(body: dict) -> str | None:
@@ -153,13 +154,13 @@ def _voice(body: dict) -> str | None:
     if isinstance(voice, dict):
         voice = voice.get("id")
         if not isinstance(voice, str):
-            raise _bad('voice as an object must be {"id": string}')
+            raise _bad('voice as an object must be {"id": string}', "voice")
     elif voice is not None and not isinstance(voice, str):
-        raise _bad('voice must be a string or {"id": string}')
+        raise _bad('voice must be a string or {"id": string}', "voice")
     try:
         check_limit("voice", voice or "", limits=FIELD_LIMITS_HTTP)
     except ProtocolError as failure:
-        raise HTTPFailure.of(failure) from None
+        raise HTTPFailure.of(failure, param="voice") from None
     _refuse_blank("voice", voice)
     return voice
 
@@ -167,7 +168,7 @@ def _voice(body: dict) -> str | None:
 def _refuse_blank(name: str, value: str | None) -> None:
     """A blank voice or language is a mistake, as on the socket, not a request for the default (leave it out)."""
     if value is not None and not value.strip():
-        raise _bad(f"{name} must be a non-empty string; leave it out for the default")
+        raise _bad(f"{name} must be a non-empty string; leave it out for the default", name)
 
 
 def _speed(body: dict) -> float:
@@ -177,7 +178,7 @@ def _speed(body: dict) -> float:
     if speed is None:
         return 1.0
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not low <= speed <= high:
-        raise _bad(f"speed must be a number from {low} to {high}")
+        raise _bad(f"speed must be a number from {low} to {high}", "speed")
     return float(speed)
 
 
@@ -185,7 +186,7 @@ def _stream(body: dict, sse: bool) -> bool:
     """`stream`: true (or absent, as OpenAI streams) sends the audio as it is made, false as one body."""
     stream = _optional_bool(body, "stream")
     if stream is False and sse:
-        raise _bad("stream_format \"sse\" streams its events: leave stream out or set it to true")
+        raise _bad("stream_format \"sse\" streams its events: leave stream out or set it to true", "stream")
     return stream is not False
 
 
@@ -198,7 +199,7 @@ def _layout(body: dict) -> str:
 def _optional_bool(body: dict, name: str) -> bool | None:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise _bad(f"{name} must be a boolean (true or false)")
+        raise _bad(f"{name} must be a boolean (true or false)", name)
     return value
 
 
@@ -208,7 +209,7 @@ def _lexicon(body: dict, gateway: Gateway) -> Lexicon | None:
     try:
         return lexicon_of(body["lexicon"], gateway.lexicons, "invalid_message")
     except ProtocolError as failure:
-        raise HTTPFailure.of(failure) from None
+        raise HTTPFailure.of(failure, param="lexicon") from None
 
 
 def client_owner(key: str | None, address: str | None) -> str | None:
@@ -220,8 +221,9 @@ def client_owner(key: str | None, address: str | None) -> str | None:
     return None if address is None else f"address:{address}"
 
 
-def _bad(message: str) -> HTTPFailure:
-    return HTTPFailure(400, "invalid_message", message)
+def _bad(message: str, param: str | None = None) -> HTTPFailure:
+    """A 400 for the body field `param` (OpenAI's SDKs show it as the error's `param`)."""
+    return HTTPFailure(400, "invalid_message", message, param)
 
 
 def start_speech(request: SpeechRequest, gateway: Gateway, owner: str | None) -> AsyncIterator[np.ndarray]:
@@ -234,7 +236,8 @@ def start_speech(request: SpeechRequest, gateway: Gateway, owner: str | None) ->
                                     interactive=False,  # leaves the engine's reserved slots to conversations
                                     owner=owner)
     except VoiceError as failure:  # an unknown voice (unknown_voice), a bad language or instructions
-        raise HTTPFailure(400, failure.code, str(failure)) from None
+        param = "voice" if failure.code == "unknown_voice" else None
+        raise HTTPFailure(400, failure.code, str(failure), param) from None
     speech = gateway.speech_context(template, "none", 0, request.lexicon, READ_AHEAD if request.stream else None)
     speech.append(request.text)
     speech.end()

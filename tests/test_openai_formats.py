@@ -186,22 +186,22 @@ def test_http_and_socket_traffic_move_their_own_series(server, client):
     assert after_ws["voxgate_ttfa_seconds_count:http"] == after_http["voxgate_ttfa_seconds_count:http"]
 
 
-@pytest.mark.parametrize("body, status, code", [
-    ({"input": "Hi.", "response_format": "ogg"}, 400, "unsupported_format"),
-    ({"input": "Hi.", "response_format": ""}, 400, "unsupported_format"),  # a value, not an absent field
-    ({"input": "Hi.", "stream_format": ""}, 400, "invalid_message"),
-    ({"input": "   "}, 400, "empty_text"),
-    ({"input": "Hi.", "stream_format": "sse", "stream": False}, 400, "invalid_message"),
-    ({"input": "Hi.", "voice": "nobody"}, 400, "unknown_voice"),
-    ({"input": "x" * 401}, 400, "text_too_long"),
+@pytest.mark.parametrize("body, status, code, param", [
+    ({"input": "Hi.", "response_format": "ogg"}, 400, "unsupported_format", "response_format"),
+    ({"input": "Hi.", "response_format": ""}, 400, "unsupported_format", "response_format"),  # a value, not absent
+    ({"input": "Hi.", "stream_format": ""}, 400, "invalid_message", "stream_format"),
+    ({"input": "   "}, 400, "empty_text", "input"),
+    ({"input": "Hi.", "stream_format": "sse", "stream": False}, 400, "invalid_message", "stream"),
+    ({"input": "Hi.", "voice": "nobody"}, 400, "unknown_voice", "voice"),
+    ({"input": "x" * 401}, 400, "text_too_long", "input"),
 ])
-def test_http_errors_are_counted_by_code(server, body, status, code):
+def test_http_errors_are_counted_by_code(server, body, status, code, param):
     before = metric(server, "voxgate_errors_total", code=code, transport="http")
     before_status = metric(server, "voxgate_http_speech_requests_total", status=str(status))
     got, _, payload = server.post("/v1/audio/speech", body)
     error = json.loads(payload)["error"]
     assert got == status and error["code"] == code and error["message"]
-    assert error["type"] == "invalid_request_error" and error["param"] is None  # OpenAI's shape, its SDKs read them
+    assert error["type"] == "invalid_request_error" and error["param"] == param  # OpenAI's shape, its SDKs read them
     assert metric(server, "voxgate_errors_total", code=code, transport="http") == before + 1
     assert metric(server, "voxgate_http_speech_requests_total", status=str(status)) == before_status + 1
     assert metric(server, "voxgate_errors_total", code=code, transport="ws") == 0

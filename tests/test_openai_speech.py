@@ -96,6 +96,7 @@ def test_a_speed_outside_openais_range_is_refused(client, speed):
     with pytest.raises(openai.BadRequestError) as refused:
         client.audio.speech.create(model="tts-1", voice="vivian", input=TEXT, extra_body={"speed": speed})
     assert refused.value.code == "invalid_message" and "speed" in refused.value.message
+    assert refused.value.param == "speed"  # the field at fault, as OpenAI's errors name it (hostile try 12)
 
 
 # --- voices ------------------------------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def test_openai_voice_names_and_the_id_object_speak_with_the_mapped_voice(client
 def test_a_bad_voice_is_refused_by_name(client, voice, code):
     with pytest.raises(openai.BadRequestError) as refused:
         client.audio.speech.create(model="tts-1", voice=voice, input=TEXT)
-    assert refused.value.code == code and "voice" in refused.value.message
+    assert refused.value.code == code and "voice" in refused.value.message and refused.value.param == "voice"
 
 
 @pytest.mark.parametrize("language", ["", " ", "klingon", "xx"])
