@@ -22,6 +22,7 @@ PROTOCOL_STATUS = {"unauthorized": 401, "overloaded": 503, "synthesis_failed": 5
 
 
 RETRY_AFTER_S = 1  # a refusal for load: slots and connections free up within seconds
+RESTART_RETRY_AFTER_S = 10  # the engine is restarting (a 503 synthesis_failed): a new one loads in seconds to tens
 
 
 @dataclass
@@ -33,9 +34,11 @@ class HTTPFailure(Exception):
     param: str | None = None  # the body field at fault, where one is
 
     def headers(self) -> dict[str, str]:
-        """`Retry-After` on a refusal for load (503, 429), which HTTP clients and OpenAI's SDKs wait out before they
-        retry; none on the others."""
-        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
+        """`Retry-After` on a refusal for load or a restart (503, 429), which HTTP clients and OpenAI's SDKs wait
+        out before they retry; none on the others."""
+        if self.status not in (429, 503):
+            return {}
+        return {"Retry-After": str(RESTART_RETRY_AFTER_S if self.code == "synthesis_failed" else RETRY_AFTER_S)}
 
     def body(self) -> dict:
         """OpenAI's error shape (its SDKs read `type` and `param` too): our code, the message, OpenAI's type and the

@@ -216,10 +216,11 @@ def test_a_dropped_message_is_named_in_its_error_and_text_has_a_byte_budget(serv
     asyncio.run(go())
 
 
-def test_an_end_a_flush_and_a_cancel_past_the_rate_are_still_handled():
+def test_an_end_and_a_cancel_past_the_rate_are_still_handled():
     """Hostile try 12: clients that send an LLM's burst as one append per token lost the context.end behind them to
     the rate limit, and their turns hung (no context.done) or held a context each until the session hit its limit.
-    Past the rate, appends are dropped (rate_limited, named); the flush, cancel and end after them are handled."""
+    Past the rate, appends and flushes are dropped (rate_limited, named: a flush queues work, so the rate bounds it);
+    the cancel and end after them are handled."""
     with running_server(Limits(max_message_rate=20.0), synthetic_frames_per_token=SHORT_SPEECH) as server:
         async def go():
             async with connect(server.ws) as ws:
@@ -237,10 +238,10 @@ def test_an_end_a_flush_and_a_cancel_past_the_rate_are_still_handled():
                         message = await ws.recv()
                         if isinstance(message, str):
                             events.append(json.loads(message))
-            limited = [e for e in events if e.get("code") == "rate_limited"]
-            assert limited and all(e["event_id"].startswith("w") for e in limited)
+            limited = [e["event_id"] for e in events if e.get("code") == "rate_limited"]
+            assert limited and set(limited) <= {f"w{i}" for i in range(60)} | {"context.flush"}
             kinds = {(e["type"], e.get("context_id")) for e in events}
-            assert {("context.flushed", "a"), ("context.cancelled", "b"), ("context.done", "a")} <= kinds, kinds
+            assert {("context.cancelled", "b"), ("context.done", "a")} <= kinds, kinds
         asyncio.run(go())
 
 

@@ -57,7 +57,8 @@ def test_incremental_tokenization_equals_the_whole_text(tokenizer, how):
 
 @settings(max_examples=60, deadline=None)
 @given(words=st.lists(st.sampled_from(["Okay", "sure", "thing", "it's", "3.14", "你好", "naïve", "we'll", "--", "!!",
-                                       "café", "x", "12", "Ωmega"]), min_size=1, max_size=8),
+                                       "café", "x", "12", "Ωmega", "end.\n", "so!\n\n", "ok ...\n", "why?\r\n"]),
+                      min_size=1, max_size=8),
        settle_after=st.sets(st.integers(0, 7)), trailing=st.booleans())
 def test_settled_words_give_the_whole_texts_ids(tokenizer, words, settle_after, trailing):
     """The text pauses (`settle`) after any word, with or without a space appended before the pause: the ids
@@ -81,6 +82,19 @@ def test_a_pause_reads_the_held_words_at_once(tokenizer):
     settled = stream.settle()
     assert tokenizer.tokenizer.decode(held) == "Okay sure" and tokenizer.tokenizer.decode(settled) == " thing"
     assert stream.settle() == [] and stream.append("now.") == [] and stream.finish()
+
+
+@pytest.mark.parametrize("cleanup", [False, True])
+def test_a_settled_feed_reads_every_word_and_its_punctuation(tokenizer, cleanup):
+    """A review's finds: the cut fell inside "thing.\n" (one pre-token) and dropped the period; and with clean-up on
+    (the default) the clean-up still held the last word. Settled, the feed has every word and mark so far."""
+    feed = TextFeed(tokenizer, eos_id=-1, pad_id=-2, cleanup=cleanup)
+    feed.append("Okay sure thing.\n")
+    feed.settle()
+    assert tokenizer.tokenizer.decode(feed.ids) == "Okay sure thing.\n"
+    feed.append("Yes")
+    feed.settle()
+    assert tokenizer.tokenizer.decode(feed.ids) == "Okay sure thing.\nYes"
 
 
 def test_ids_become_final_while_the_text_arrives(tokenizer):

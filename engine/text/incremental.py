@@ -4,9 +4,9 @@
 pre-tokens, so an id is final once its pre-token is, and appending text can only change the last two pre-tokens (a
 word that grows, "'" that becomes "'s", trailing spaces that leave one to the next word). The cut also avoids a
 place where Unicode normalisation (NFC) could join the characters on its two sides. Text that has paused (`settle`:
-the gateway's buffering delay passed with nothing new) gives up its last words too, all but trailing spaces, so
-that "Okay sure thing" is spoken while its client waits; the ids stay the whole text's unless the text after the
-pause continues the last word itself ("thing" then "s").
+the gateway saw no new text for a while) gives up its last words too, all but trailing spaces, so that "Okay sure
+thing" is spoken while its client waits; the ids stay the whole text's unless the text after the pause continues
+the last pre-token itself ("thing" then "s", "!\n" then "\n").
 
 `TextFeed` is one request's text track in the streaming layout: one token per frame, `tts_eos` once the input has
 ended, then `tts_pad`; `None` while the next token has not arrived, which is when the engine holds the request.
@@ -39,8 +39,13 @@ class IncrementalTokenizer:
         return []
 
     def settle(self) -> list[int]:
-        """The text has paused: the ids of all of it but trailing spaces (they may still join the next word)."""
-        cut = len(self._pending.rstrip())
+        """The text has paused: the ids of all of it but its trailing pre-tokens of spaces alone (they may still
+        join the next word). The cut is a pre-token's end, so no id crosses it ("!" and the newlines after it are
+        one pre-token)."""
+        spans = [span for _, span in self.tokenizer.pre_tokenizer.pre_tokenize_str(self._pending)]
+        while spans and self._pending[spans[-1][0]:spans[-1][1]].isspace():
+            spans.pop()
+        cut = spans[-1][1] if spans else 0
         if cut <= self._head() or (cut < len(self._pending) and not _joinable_cut(self._pending, cut)):
             return []
         return self._commit(cut)
@@ -95,8 +100,11 @@ class TextFeed:
         self.ids += self._tokens.append(self._cleanup.append(text) if self._cleanup else text)
 
     def settle(self) -> None:
-        """The text has paused: its words so far are read (`IncrementalTokenizer.settle`)."""
+        """The text has paused: its words so far are read, the clean-up's held last word first
+        (`IncrementalTokenizer.settle`)."""
         if not self.ended:
+            if self._cleanup:
+                self.ids += self._tokens.append(self._cleanup.finish())
             self.ids += self._tokens.settle()
 
     def end(self) -> None:

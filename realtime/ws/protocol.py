@@ -241,9 +241,11 @@ def parse_message(text: str, schemas: dict[str, dict[str, tuple[tuple[type, ...]
     return check_message(message, schemas, check_unicode=suspect)
 
 
-# Messages that end a context's text or stop it: past the rate they are still handled (when small enough to read for
-# free), so that a client over its budget may lose text, but never leaves a context open or a flush unanswered.
-NEVER_DROPPED = frozenset({"context.end", "context.cancel", "context.flush"})
+# Messages that end a context or stop it: past the rate they are still handled (when small enough to read for free),
+# so that a client over its budget may lose text but never leaves a context open. Each acts once per context (a repeat
+# only draws an answer, which the slow-consumer bound covers); a flush is not among them: each one on an open context
+# queues a marker and an encoder restart, which the rate must bound.
+NEVER_DROPPED = frozenset({"context.end", "context.cancel"})
 
 
 def never_dropped(text: str) -> bool:

@@ -228,7 +228,7 @@ class Session:
 
     async def _handle_text(self, text: str) -> bool:
         """A client's text frame: rate-limited before it is parsed (a flood costs no parse, valid or not; a small
-        end, cancel or flush is handled whatever the rate: `never_dropped`); an inline lexicon is compiled on a
+        end or cancel is handled whatever the rate: `never_dropped`); an inline lexicon is compiled on a
         worker thread first (the largest takes ~0.2 s of Python: on the loop it stalled every socket), then the
         message is handled as any other."""
         message, refusal = None, self._budget.refusal(text)

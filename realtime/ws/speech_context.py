@@ -47,6 +47,9 @@ TEXT_PAUSE_S = 5.0
 CONTENDED_PAUSE_S = 1.0
 # a pause timer this late says the loop was busy (text may wait unread in the socket): no contended pause then
 LATE_TIMER_S = 0.1
+# text quiet this long (or the buffering delay, if longer) has its held last words read (`_on_quiet`): long enough
+# that an LLM's tokens (tens a second) do not pause inside a word, which would read its halves as two words
+SETTLE_AFTER_S = 0.3
 
 
 def contended_pause_due(quiet_s: float, late_s: float, played_out: bool) -> bool:
@@ -131,9 +134,9 @@ class SpeechContext:
         self._speaking: Utterance | None = None  # the utterance that request speaks, while it does
         self._timers: dict[int, asyncio.TimerHandle] = {}  # utterance index -> its buffering deadline
         self._pause: asyncio.TimerHandle | None = None  # closes the utterance being spoken if no text comes
-        self._quiet: asyncio.TimerHandle | None = None  # due the buffering delay after the last text: it settles
+        self._quiet: asyncio.TimerHandle | None = None  # due `_settle_after_s` after the last text: it settles
         self._appended_at = 0.0  # the loop's time of the last text of any kind
-        self._settle = False  # the text has been quiet for the buffering delay: the engine reads its last words
+        self._settle = False  # the text has been quiet for `_settle_after_s`: the engine reads its last words
         self._last_text_at = 0.0  # the loop's time of the last text planned
         self._pause_due = 0.0  # the loop's time the pause timer was set for
         # the loop's time by which a client that plays each chunk as it arrives, after the one before, has played
@@ -163,7 +166,7 @@ class SpeechContext:
         self.planner.append(text, loop.time())
         self._appended_at, self._settle = loop.time(), False
         if self._quiet is None:  # one timer a context, as the pause's: it looks at the last text's time
-            self._quiet_after(self.planner.max_buffer_delay_s)
+            self._quiet_after(self._settle_after_s)
         if speakable(text):  # only text with something to say: spaces alone held a slot for good (a hostile try)
             self._last_text_at = loop.time()
         if self._pause is None:  # one timer a context, not one an append: it looks at the last text's time
@@ -212,16 +215,20 @@ class SpeechContext:
                       *(t for t in (self._pause, self._slow_reader, self._quiet) if t is not None)]:
             timer.cancel()
 
+    @property
+    def _settle_after_s(self) -> float:
+        return max(SETTLE_AFTER_S, self.planner.max_buffer_delay_s)
+
     def _quiet_after(self, delay_s: float) -> None:
         # a hair after the planner's own timer, so that an utterance that starts then is settled at once
         self._quiet = asyncio.get_running_loop().call_later(delay_s + 0.004, self._on_quiet)
 
     def _on_quiet(self) -> None:
-        """No text for the buffering delay: the utterance being spoken reads its last words now (`_feed`), not when
-        more text shows where they end; a client whose text stops mid-sentence hears it within the delay."""
+        """No text for `_settle_after_s`: the utterance being spoken reads its last words now (`_feed`), not when
+        more text shows where they end; a client whose text stops mid-sentence hears it at once."""
         quiet_s = asyncio.get_running_loop().time() - self._appended_at
-        if quiet_s < self.planner.max_buffer_delay_s:
-            self._quiet_after(self.planner.max_buffer_delay_s - quiet_s)
+        if quiet_s < self._settle_after_s:
+            self._quiet_after(self._settle_after_s - quiet_s)
             return
         self._quiet = None
         self._settle = True

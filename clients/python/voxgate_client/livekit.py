@@ -7,8 +7,9 @@
   stream goes on), `end_input` is `context.end`, and the server's word `timestamps` become the frames' timed
   transcript. The sockets are pooled (LiveKit's `ConnectionPool`, a socket reused up to 300 s after its last use),
   each holding its session with a `keepalive` four times per idle timeout while it waits in the pool.
-- Text the server will not speak (an error naming the context, then `context.done` with no audio: emoji alone)
-  fails the stream with the server's code, not retried.
+- Text the server will not speak (a `TEXT_REFUSALS` error naming the context, then `context.done` with no audio:
+  emoji alone) fails the stream with the server's code, not retried; a silent context after another error (an
+  engine restarting, overload) is LiveKit's retried failure.
 - Interruption: LiveKit closes the stream (`aclose`); the context is cancelled, and the socket goes back to the pool
   once the server's `context.cancelled` ack arrived (no audio of that context follows it), or is closed.
 - `TTS.synthesize()` is a `ChunkedStream` over HTTP `POST /v1/audio/speech` (`response_format: "pcm"`, 24 kHz,
@@ -35,6 +36,7 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 from websockets.protocol import State
 
 from voxgate_client.protocol import (
+    TEXT_REFUSALS,
     ServerError,
     auth_headers,
     check_pcm_rate,
@@ -256,7 +258,8 @@ class SynthesizeStream(tts.SynthesizeStream):
                 if index < len(items) - 1 or not self._input_ch.closed:
                     await connection.send("context.flush", context_id=context_id, event_id=context_id)
             await self._append(connection, context_id, text)
-            await asyncio.sleep(APPEND_INTERVAL_S)
+            if not (self._input_ch.closed and self._input_ch.empty()):  # the end goes at once
+                await asyncio.sleep(APPEND_INTERVAL_S)
         await connection.send("context.end", context_id=context_id, event_id=context_id)
 
     @staticmethod
@@ -266,7 +269,7 @@ class SynthesizeStream(tts.SynthesizeStream):
 
     async def _receive(self, connection: Connection, context_id: str, output_emitter: tts.AudioEmitter) -> None:
         stream_id = None
-        heard, refusal = False, None  # audio came; the error that named the context (text it would not speak)
+        heard, refusal = False, None  # audio came; the error that refused the context's text (TEXT_REFUSALS)
         try:
             async for data in connection.ws:
                 if isinstance(data, bytes):
@@ -302,7 +305,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                                    retryable=False)
                 elif kind in ("error", "warning"):  # the context goes on (a dropped append, a slow consumer)
                     logger.warning("voxgate %s %s: %s", kind, event.get("code"), event.get("message"))
-                    refusal = event if kind == "error" else refusal
+                    refusal = event if event.get("code") in TEXT_REFUSALS else refusal
         except ConnectionClosed as closed:
             raise APIConnectionError(f"voxgate closed the socket ({closed})") from closed
         raise APIConnectionError("voxgate closed the socket before the context was done")

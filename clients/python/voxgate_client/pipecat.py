@@ -17,9 +17,10 @@ How Pipecat's notions map onto the protocol:
 - audio is PCM at the pipeline's output rate (asked of the server, no resampling); a `keepalive` goes out four
   times per idle timeout, so a quiet pipeline keeps its socket.
 
-A turn whose text the server refuses (`empty_text`, `text_too_long`, ...) is an application error, pushed up the
-pipeline; with no audio, it does not count toward Pipecat's `max_consecutive_zero_audio_contexts` (a silent provider), and the
-`context_not_found` its `context.end` may draw is not reported.
+A turn whose text the server refuses (`TEXT_REFUSALS`: `empty_text`, `text_too_long`, `invalid_message`) is an
+application error, pushed up the pipeline; with no audio, it does not count toward Pipecat's
+`max_consecutive_zero_audio_contexts` (a silent provider), and the `context_not_found` its `context.end` may draw is
+not reported. A turn the server failed (`synthesis_failed`, `overloaded`) counts, as any silent one.
 
 `on_context_finished(service, context_id, event)` fires with the server's `context.done` or `context.cancelled`.
 """
@@ -43,6 +44,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.protocol import State
 
 from voxgate_client.protocol import (
+    TEXT_REFUSALS,
     ServerError,
     auth_headers,
     check_pcm_rate,
@@ -113,6 +115,10 @@ class VoxgateTTSService(WebsocketTTSService):
 
     async def _disconnect(self) -> None:
         await super()._disconnect()
+        self._unsent.clear()
+        if self._appending is not None:
+            await self.cancel_task(self._appending)
+            self._appending = None
         if self._receive_task:
             await self.cancel_task(self._receive_task)
             self._receive_task = None
@@ -236,9 +242,12 @@ class VoxgateTTSService(WebsocketTTSService):
         started yet, and the server acks a cancel of any id."""
         await self.stop_all_metrics()
         self._open_contexts.pop(context_id, None)
-        self._unsent.pop(context_id, None)
         if self._websocket and self._websocket.state is State.OPEN:
-            await self._send("context.cancel", context_id=context_id)
+            async with self._send_lock:  # after any append of it already on its way, never before one
+                self._unsent.pop(context_id, None)
+                await self._send("context.cancel", context_id=context_id)
+        else:
+            self._unsent.pop(context_id, None)
         await super().on_audio_context_interrupted(context_id)
 
     # --- audio and events out --------------------------------------------------------------------------------------
@@ -300,7 +309,7 @@ class VoxgateTTSService(WebsocketTTSService):
                                                                            event.get("message", "")))
         else:
             await self.push_error(error_msg=message, category=ErrorCategory.APPLICATION)
-        if context_id and not event.get("fatal"):
+        if context_id and event.get("code") in TEXT_REFUSALS:
             self._refused.append(context_id)
         if context_id and context_id not in self._started_contexts:
             self._open_contexts.pop(context_id, None)
@@ -309,9 +318,9 @@ class VoxgateTTSService(WebsocketTTSService):
 
     async def _record_context_audio_outcome(self, context_id: str, received_audio: bool) -> None:
         """Pipecat's count of turns that ended with no audio (a provider silent for a bad voice, say) leaves out the
-        turns the server said why of (an error naming the turn, such as empty_text for emoji alone): that error was
-        pushed already, and it is the application's (Pipecat 1.14's hook,
-        `TTSService._record_context_audio_outcome`)."""
+        turns whose text the server refused (`TEXT_REFUSALS`, such as empty_text for emoji alone): that error was
+        pushed already, and it is the application's; a turn failed by the server (synthesis_failed, overloaded)
+        still counts (Pipecat 1.14's hook, `TTSService._record_context_audio_outcome`)."""
         if received_audio or context_id not in self._refused:
             await super()._record_context_audio_outcome(context_id, received_audio)
 

@@ -22,6 +22,8 @@ HEADER = struct.Struct("<BBHI")
 PCM_SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)  # PROTOCOL.md "Formats", pcm_s16le
 # session.start errors after which the server still answers with session.started (the other fields applied)
 CONFIG_ERRORS = frozenset({"invalid_config", "unsupported_format"})
+# errors that refuse a context's text itself: sent again, the same text gets them again (not worth a retry)
+TEXT_REFUSALS = frozenset({"empty_text", "text_too_long", "invalid_message"})
 _start_ids = itertools.count(1)
 # The HTTP status a refusal's code stands for (the speech endpoint answers with these; a socket's refusal carries only
 # the code): what frameworks tell a lasting failure (401, 400) from one worth retrying (503, 429) by. "closed": the
