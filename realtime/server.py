@@ -42,6 +42,19 @@ with warnings.catch_warnings():
 
 
 MAX_HELD_BYTES = 16_384  # a loop turn's data frames held for one socket write: a 320 ms chunk of 24 kHz PCM
+TCP_INFO_BYTES_ACKED = slice(120, 128)  # Linux's struct tcp_info: tcpi_bytes_acked, a little-endian u64
+
+
+def bytes_acked(transport: asyncio.BaseTransport) -> int | None:
+    """How much of what this socket sent its peer has acknowledged (Linux's TCP_INFO); None where that is unknown."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None
+    return int.from_bytes(info[TCP_INFO_BYTES_ACKED], "little") if len(info) >= TCP_INFO_BYTES_ACKED.stop else None
 
 
 class GatewayWebSocketProtocol(WebSocketProtocol):
@@ -103,26 +116,36 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
         self.transport.write(frame)
 
     async def keepalive_ping(self) -> None:
-        """The library's keepalive, two things changed. The ping's own send counts against the pong's timeout: it
-        waited without bound behind audio the client did not read. And a pong that does not come ends the session
+        """The library's keepalive, three things changed. The ping's own send counts against the pong's timeout: it
+        waited without bound behind audio the client did not read. A pong that does not come ends the session
         under the slow-consumer policy (PROTOCOL.md, Backpressure: `error{slow_consumer, fatal}`, then 1008), not
         with 1011, which says the server failed: a client library answers pings as it reads, so a client that
-        answers none reads nothing."""
+        answers none reads nothing. And the pong is waited for as long as the client keeps taking data (its TCP
+        acknowledges more of it each timeout, `bytes_acked`): the server makes audio faster than real time, so a
+        client that plays it as it reads has tens of seconds of it queued ahead of the ping in the sockets' buffers
+        (a hostile try: such a client was cut off 40 s into a long answer)."""
         if self.ping_interval is None:
             return
         try:
             while True:
                 await asyncio.sleep(self.ping_interval)
-                try:
-                    async with asyncio.timeout(self.ping_timeout):
-                        await (await self.ping())
-                except TimeoutError:
-                    self._close_unread()
-                    return
+                acked = bytes_acked(self.transport)
+                pong = asyncio.ensure_future(self._ping_answered())
+                while not (await asyncio.wait({pong}, timeout=self.ping_timeout))[0]:
+                    now_acked = bytes_acked(self.transport)
+                    if acked is None or now_acked is None or now_acked <= acked:
+                        pong.cancel()
+                        self._close_unread()
+                        return
+                    acked = now_acked
+                pong.result()
         except ConnectionClosed:
             pass
         except Exception:  # as the library does: a failed keepalive is logged, never left in an unawaited task
             self.logger.error("keepalive ping failed", exc_info=True)
+
+    async def _ping_answered(self) -> None:
+        await (await self.ping())
 
     def _close_unread(self) -> None:
         failure = ws_protocol.ProtocolError("slow_consumer", f"the client answered no ping for {self.ping_timeout:g} "

@@ -101,6 +101,31 @@ def test_a_client_that_answers_no_ping_is_closed_as_a_slow_consumer(monkeypatch)
         asyncio.run(go())
 
 
+def test_a_client_that_reads_as_it_plays_keeps_its_session_while_its_pongs_wait(monkeypatch):
+    """A hostile try: a client playing opus in real time was cut off 40 s into a long answer, as one that reads
+    nothing: the server makes audio faster than real time, so the ping waited behind tens of seconds of it in the
+    sockets' buffers and its pong came after the timeout. The pong is waited for while the client's TCP keeps
+    acknowledging data. Here a small window, pings every 0.3 s with a 0.7 s timeout, and a client reading a frame
+    each 10 ms (faster than real time, slower than the server makes it): the session lives on, no slow_consumer."""
+    monkeypatch.setattr(server_module, "PING_INTERVAL_S", 0.3)
+    monkeypatch.setattr(server_module, "PING_TIMEOUT_S", 0.7)
+    with running_server(Limits(send_queue_ms=60_000)) as server:  # the hard limit stays out of the way
+        async def go():
+            ws, _ = await _small_window_session(server, 24000)
+            await ws.send(json.dumps({"type": "text.append", "context_id": "a", "flush": True,
+                                      "text": "A long answer that keeps the model talking for a while. " * 3}))
+            events, started = [], time.monotonic()
+            while time.monotonic() - started < 4:
+                message = await asyncio.wait_for(ws.recv(), 5)
+                if isinstance(message, str):
+                    events.append(json.loads(message))
+                await asyncio.sleep(0.01)
+            assert len(server.gateway.sessions) == 1, "the reading client's session was closed"
+            assert not [e for e in events if e["type"] == "error"], events
+            await ws.close()
+        asyncio.run(go())
+
+
 async def _small_window_session(server, sample_rate: int):
     """A PCM session on a socket with a tiny receive window and read queue, which stops taking frames almost at
     once when its client stops reading; (the client, its socket), after session.started. No keepalive of the
