@@ -188,6 +188,34 @@ def test_a_websocket_session_outlives_the_handshake_timeout(server):
     asyncio.run(go())
 
 
+def test_a_request_sent_at_once_past_the_cap_reads_its_503_not_a_reset(server):
+    """A hostile try: clients that connect and send a whole POST at once, past the cap with every connection busy,
+    mostly got a broken pipe or a reset: the 503 was written and the socket closed with their request unread. The
+    refused connection drains what the client sends, so it reads the 503 (with Retry-After) and a clean close."""
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    busy = [raw_socket(server) for _ in range(5)]
+    try:
+        for sock in busy:  # five requests in progress: nothing to evict
+            sock.sendall(head)
+        time.sleep(0.1)
+        body = json.dumps({"input": "Hello there.", "pad": "x" * 50_000}).encode()
+        for _ in range(3):
+            late = raw_socket(server)
+            late.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            answer = b""
+            while chunk := late.recv(65536):
+                answer += chunk
+            late.close()
+            assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer.lower(), answer[:200]
+    finally:
+        for sock in busy:
+            sock.close()
+    time.sleep(0.2)
+    assert server.get("/health")[0] == 200
+
+
 def test_connections_past_the_cap_close_the_oldest_silent_one_or_get_a_503(server):
     """The cap is 5. Five sockets that never send a request: a sixth closes the oldest of them and is served, so
     silent sockets cannot lock a client out. Sockets inside a request (a body still to come) are never closed for
@@ -199,7 +227,11 @@ def test_connections_past_the_cap_close_the_oldest_silent_one_or_get_a_503(serve
         time.sleep(0.1)
         assert server.get("/health")[0] == 200
         readable, _, _ = select.select(socks, [], [], TIMEOUT_S / 2)
-        assert readable == [socks[0]] and socks[0].recv(4096) == b""  # closed, answered nothing
+        assert readable == [socks[0]]
+        evicted = b""
+        while chunk := socks[0].recv(4096):
+            evicted += chunk
+        assert evicted.startswith(b"HTTP/1.1 503")  # told why, then closed (a request on its way reads it, not a reset)
         socks[0].close()
         for sock in socks[1:]:  # four requests in progress, and a fifth
             sock.sendall(head)
