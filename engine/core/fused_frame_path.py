@@ -31,10 +31,11 @@ class FusedFramePath:
         predictor = talker.code_predictor
         self.predictor_layers = FusedLayers(predictor.model, PREDICTOR_FEW_ROWS)
         # Every code's input to the code predictor (its embedding, projected to the predictor's width) computed once:
-        # a sub-step looks its row up, one launch where an embedding and a matmul were two.
+        # a sub-step looks its row up, one launch where an embedding and a matmul were two. The last code's table
+        # feeds no sub-step (only the talker's next input, in its own width): it is left out.
         with torch.no_grad():
             self.projected_codes = [predictor.small_to_mtp_projection(table.weight)
-                                    for table in predictor.model.codec_embedding]
+                                    for table in predictor.model.codec_embedding[:-1]]
         layers = predictor.cfg.layers
         device, dtype = cache.k.device, cache.k.dtype
         shape = (layers.num_hidden_layers, rows, layers.num_key_value_heads, predictor.cfg.num_code_groups,

@@ -248,34 +248,36 @@ def parse_message(text: str, schemas: dict[str, dict[str, tuple[tuple[type, ...]
 NEVER_DROPPED = frozenset({"context.end", "context.cancel"})
 
 
-def never_dropped(text: str) -> bool:
-    """Whether a message past the rate is one of `NEVER_DROPPED` (read only when it is at most
-    `MAX_DROPPED_PEEK_BYTES`: a flood of large ones costs no parse)."""
+def _peek(text: str) -> dict[str, Any] | None:
+    """A message past the rate as a JSON object, read only when it is at most `MAX_DROPPED_PEEK_BYTES` (a flood of
+    large ones costs no parse); None otherwise, or when it is not one."""
     if len(text) > MAX_DROPPED_PEEK_BYTES:
-        return False
+        return None
     try:
         message = json.loads(text, parse_constant=_no_constant)
     except (ValueError, ProtocolError, RecursionError):
-        return False
-    return isinstance(message, dict) and message.get("type") in NEVER_DROPPED
+        return None
+    return message if isinstance(message, dict) else None
+
+
+def never_dropped(text: str) -> bool:
+    """Whether a message past the rate is a small one of `NEVER_DROPPED`."""
+    message = _peek(text)
+    return message is not None and message.get("type") in NEVER_DROPPED
 
 
 def dropped(text: str, reason: str) -> ProtocolError:
     """A `rate_limited` refusal of a message dropped unparsed, carrying its event_id and context_id where the message
-    is small enough that reading them costs nothing (a dropped `context.end` must be told apart from the rest)."""
+    is small enough that reading them costs nothing (a dropped append must be told apart from the rest)."""
     failure = ProtocolError("rate_limited", f"{reason}; this message was dropped")
-    if len(text) <= MAX_DROPPED_PEEK_BYTES:
-        try:
-            message = json.loads(text, parse_constant=_no_constant)
-        except (ValueError, ProtocolError, RecursionError):
-            return failure
-        if isinstance(message, dict):
-            with contextlib.suppress(ProtocolError):  # a bad one is left out, not refused again
-                failure.event_id = _event_id(message)
-                context_id = message.get("context_id")
-                if isinstance(context_id, str) and len(context_id) <= MAX_NAME_CHARS:
-                    _check_text(context_id, "context_id", "invalid_message")
-                    failure.context_id = context_id
+    message = _peek(text)
+    if message is not None:
+        with contextlib.suppress(ProtocolError):  # a bad one is left out, not refused again
+            failure.event_id = _event_id(message)
+            context_id = message.get("context_id")
+            if isinstance(context_id, str) and len(context_id) <= MAX_NAME_CHARS:
+                _check_text(context_id, "context_id", "invalid_message")
+                failure.context_id = context_id
     return failure
 
 

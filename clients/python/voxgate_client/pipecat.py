@@ -242,12 +242,10 @@ class VoxgateTTSService(WebsocketTTSService):
         started yet, and the server acks a cancel of any id."""
         await self.stop_all_metrics()
         self._open_contexts.pop(context_id, None)
+        self._unsent.pop(context_id, None)
         if self._websocket and self._websocket.state is State.OPEN:
             async with self._send_lock:  # after any append of it already on its way, never before one
-                self._unsent.pop(context_id, None)
                 await self._send("context.cancel", context_id=context_id)
-        else:
-            self._unsent.pop(context_id, None)
         await super().on_audio_context_interrupted(context_id)
 
     # --- audio and events out --------------------------------------------------------------------------------------
