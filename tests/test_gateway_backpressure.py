@@ -112,13 +112,16 @@ def test_a_client_that_reads_as_it_plays_keeps_its_session_while_its_pongs_wait(
     with running_server(Limits(send_queue_ms=60_000)) as server:  # the hard limit stays out of the way
         async def go():
             ws, _ = await _small_window_session(server, 24000)
-            await ws.send(json.dumps({"type": "text.append", "context_id": "a", "flush": True,
-                                      "text": "A long answer that keeps the model talking for a while. " * 3}))
+            more_text = json.dumps({"type": "text.append", "context_id": "a", "flush": True,
+                                    "text": "A long answer that keeps the model talking for a while. " * 3})
+            await ws.send(more_text)
             events, started = [], time.monotonic()
             while time.monotonic() - started < 4:
                 message = await asyncio.wait_for(ws.recv(), 5)
                 if isinstance(message, str):
                     events.append(json.loads(message))
+                    if events[-1]["type"] == "context.flushed":  # all of it read: the answer goes on, however fast
+                        await ws.send(more_text)
                 await asyncio.sleep(0.01)
             assert len(server.gateway.sessions) == 1, "the reading client's session was closed"
             assert not [e for e in events if e["type"] == "error"], events
