@@ -26,6 +26,10 @@ from engine.kernels.dependent_launch import dependent_launch, wait_for_inputs
 PLAIN = tl.constexpr(0)  # what is applied to the input as it is loaded
 NORM = tl.constexpr(1)
 SWIGLU = tl.constexpr(2)
+# the fastest output block for one row on the H100 (`scripts/bench_linear.py --per-op`); the CPU's interpreter pays
+# per program instead, so there a program takes many more outputs (each output's sum is the same either way)
+GPU_BLOCK_N = 8
+INTERPRETED_BLOCK_N = 256
 
 
 @triton.jit
@@ -82,12 +86,13 @@ def _few_rows_linear_kernel(x_ptr, weight_ptr, bias_ptr, norm_ptr, residual_ptr,
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                     norm: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
-                    residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 1024,
+                    residual: torch.Tensor | None = None, block_n: int | None = None, block_k: int = 1024,
                     warps: int = 4, stages: int = 1, rows_per_program: int = 1) -> torch.Tensor:
     """F.linear(f(x), weight, bias) for x [N, K] (unit stride in K), weight [F, K] (contiguous), where f is
     RMSNorm with weights `norm` (x = the residual stream), or SwiGLU (`swiglu`: x [N, 2K] = gate then up), or nothing.
     With `residual` [N, F] the output is added to it in place and `residual` is returned; else a new [N, F].
     The defaults are the fastest blocks for one row on the H100 (`scripts/bench_linear.py --per-op`)."""
+    block_n = block_n or (GPU_BLOCK_N if x.is_cuda else INTERPRETED_BLOCK_N)
     assert not (swiglu and norm is not None)
     rows, features = x.shape[0], weight.shape[0]
     width = weight.shape[1]
