@@ -10,8 +10,7 @@ from engine.config import CodecDecoderConfig, TransformerConfig
 from engine.kernels import dependent_launch as dependent_launch_module
 from engine.kernels.dependent_launch import dependent_launch
 from engine.kernels.few_rows_linear import few_rows_linear
-from engine.kernels.attention import store_new_tokens
-from engine.kernels.layer_ops import add_rms_norm, silu_mul
+from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.kernels.sampling import fused_choose
 from engine.kernels.conv_elementwise import _grid, add_bias_residual, snake_padded
 from engine.kernels.rows import copy_rows
@@ -54,7 +53,7 @@ def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_new_tokens_matches_the_attention_module(dtype):
+def test_qk_norm_rope_store_matches_the_attention_module(dtype):
     cfg = TransformerConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                               attention_bias=False)
@@ -70,8 +69,8 @@ def test_store_new_tokens_matches_the_attention_module(dtype):
     k_cache = torch.zeros(4, kv_heads, 160, dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     rotary = RotaryEmbedding(dim, 10000.0)
-    queries = store_new_tokens(qkv, attention.q_norm.weight, attention.k_norm.weight, rotary.inv_freq("cpu"),
-                               positions + 1, slots, k_cache, v_cache, heads, 1e-6)
+    queries = qk_norm_rope_store(qkv, attention.q_norm.weight, attention.k_norm.weight, rotary.inv_freq("cpu"),
+                                 positions, slots, k_cache, v_cache, heads, 1e-6)
 
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     cos, sin = rotary(positions[:, None], dtype)

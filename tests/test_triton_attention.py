@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.attention import decode_attention
-from engine.kernels.attention import new_token_attention, store_new_tokens, varlen_attention
+from engine.kernels.attention import varlen_attention
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (16, 8, 32)])
@@ -46,30 +46,3 @@ def test_generated_shapes_match_sdpa_and_a_row_does_not_depend_on_its_batch(kv_h
     for row in range(rows):  # alone, the same bits as in the batch
         alone = varlen_attention(q[row:row + 1], k_cache, v_cache, row_slots[row:row + 1], lengths[row:row + 1])
         assert torch.equal(alone[0], got[row])
-
-
-@settings(max_examples=20, deadline=None)
-@given(kv_heads=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 2, 4]), head_dim=st.sampled_from([8, 16, 64]),
-       capacity=st.sampled_from([2, 16, 100]), rows=st.integers(1, 5), dtype=st.sampled_from(["float32", "bfloat16"]),
-       seed=st.integers(0, 2**16))
-def test_a_decode_tokens_attention_in_one_launch_is_the_store_then_the_attention(kv_heads, group, head_dim, capacity,
-                                                                                 rows, dtype, seed):
-    """`new_token_attention` (q/k norm, RoPE, the cache write and attention in one kernel, each row alone in its
-    slot) gives the same bits as `store_new_tokens` and then `varlen_attention`, and leaves the same caches."""
-    generator = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, dtype)
-    heads, slots = kv_heads * group, rows + 1
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
-    q_norm, k_norm = (torch.randn(head_dim, generator=generator).to(dtype) for _ in range(2))
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    k_cache = torch.randn(slots, kv_heads, capacity, head_dim, generator=generator).to(dtype)
-    v_cache = torch.randn(slots, kv_heads, capacity, head_dim, generator=generator).to(dtype)
-    row_slots = torch.randperm(slots, generator=generator)[:rows]
-    lengths = torch.randint(1, capacity + 1, (rows,), generator=generator)
-    token = (q_norm, k_norm, inv_freq, lengths, row_slots)
-    k_two, v_two = k_cache.clone(), v_cache.clone()
-    queries = store_new_tokens(qkv, *token, k_two, v_two, heads, 1e-6)
-    expected = varlen_attention(queries, k_two, v_two, row_slots, lengths)
-    got = new_token_attention(qkv, *token, k_cache, v_cache, heads, 1e-6)
-    assert torch.equal(got, expected)
-    assert torch.equal(k_cache, k_two) and torch.equal(v_cache, v_two)

@@ -72,16 +72,13 @@ class FusedFramePath:
             codes.append(code)
             if group + 2 < cfg.num_code_groups:
                 embed = F.embedding(code, self.projected_codes[group])
-                logits = self._predictor(embed, self.group_positions[group + 2, :batch], self.rows[:batch], group + 1,
-                                         decode=True)
+                logits = self._predictor(embed, self.group_positions[group + 2, :batch], self.rows[:batch], group + 1)
         return torch.stack(codes, dim=1)
 
-    def _predictor(self, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, group: int,
-                   decode: bool = False) -> torch.Tensor:
-        """The code predictor's pass over x -> the logits of code `group` + 1 (its head `group`); `decode`: a row
-        each request (a sub-step), not the prefill's pair."""
+    def _predictor(self, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:
+        """The code predictor's pass over x -> the logits of code `group` + 1 (its head `group`)."""
         return self.predictor_layers(x, positions, rows, self.predictor_k, self.predictor_v,
-                                     self.talker.code_predictor.lm_head[group].weight, decode)
+                                     self.talker.code_predictor.lm_head[group].weight)
 
     def advance(self, step_input: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.talker_layers(step_input, positions, slots, self.cache.k, self.cache.v, decode=True)
+        return self.talker_layers(step_input, positions, slots, self.cache.k, self.cache.v)

@@ -4,8 +4,7 @@ projections and fused Triton kernels over a slot cache.
 Per block: RMSNorm (fused with the previous residual add), one QKV matmul, one kernel for q/k norm + RoPE + the
 cache write, varlen attention, the output matmul, add + RMSNorm, one gate/up matmul, SwiGLU, the down matmul:
 9 launches instead of ~45. A pass of a few rows takes `few_rows_linear` instead, which folds the norms, SwiGLU and
-residual adds into its matmuls: 6 launches. A decode pass (each row alone in its slot) stores its keys in the
-attention kernel: a launch less either way. The merged weights are the module's own storage (its q/k/v and gate/up
+residual adds into its matmuls: 6 launches. The merged weights are the module's own storage (its q/k/v and gate/up
 parameters become views into them), so the simple path keeps working on the same memory.
 """
 from __future__ import annotations
@@ -14,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.attention import new_token_attention, store_new_tokens, varlen_attention
+from engine.kernels.attention import varlen_attention
 from engine.kernels.few_rows_linear import few_rows_linear
-from engine.kernels.layer_ops import add_rms_norm, silu_mul
+from engine.kernels.layer_ops import add_rms_norm, qk_norm_rope_store, silu_mul
 from engine.model.layers import TransformerBlock, TransformerStack
 
 
@@ -61,18 +60,17 @@ class FusedLayers:
         self.inv_freq = stack.rotary.inv_freq(stack.norm.weight.device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, head: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
+                 v_cache: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H] (consumed: it becomes the residual), one token per row at positions [N] of cache slots
         [N]; caches [layers, slots, Hkv, capacity, D]. Returns the final-normed hidden states [N, H], or with `head`
         [V, H] (an output layer without bias) their logits [N, V]: for a few rows the final norm is then folded into
         the head's matmul, a launch less.
 
         Several rows may share a slot (a prefill): every row's key is stored before any row attends, and each row
-        sees its slot's positions up to its own. `decode`: each row is the only one of its slot, so the kernel that
-        attends stores its key."""
+        sees its slot's positions up to its own."""
         lengths = positions + 1
         if x.shape[0] <= self.few_rows:
-            self._few_rows(x, slots, lengths, k_cache, v_cache, decode)
+            self._few_rows(x, positions, slots, lengths, k_cache, v_cache)
             if head is not None:
                 return few_rows_linear(x, head, norm=self.stack.norm.weight, eps=self.eps)
             return add_rms_norm(x, None, self.stack.norm.weight, self.eps)
@@ -80,16 +78,16 @@ class FusedLayers:
         normed = add_rms_norm(x, None, self.layers[0].layer.input_layernorm.weight, self.eps)
         for index, (merged, next_norm) in enumerate(zip(self.layers, norms)):
             layer = merged.layer
-            attended = self._attend(index, F.linear(normed, merged.qkv, merged.qkv_bias), slots, lengths, k_cache,
-                                    v_cache, decode)
+            attended = self._attend(index, F.linear(normed, merged.qkv, merged.qkv_bias), positions, slots, lengths,
+                                    k_cache, v_cache)
             normed = add_rms_norm(x, layer.self_attn.o_proj(attended), layer.post_attention_layernorm.weight,
                                   self.eps)
             normed = add_rms_norm(x, layer.mlp.down_proj(silu_mul(F.linear(normed, merged.gate_up))), next_norm,
                                   self.eps)
         return normed if head is None else F.linear(normed, head)
 
-    def _few_rows(self, x: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, decode: bool) -> None:
+    def _few_rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """A few tokens (a lone request's step; the code predictor's sub-steps and prefill at low load) through the
         blocks, x the residual stream: the norms, SwiGLU and residual adds fused into the matmuls
         (`few_rows_linear`), 6 launches a block instead of 9: at one row 29% less time in the code predictor's
@@ -97,20 +95,17 @@ class FusedLayers:
         for index, merged in enumerate(self.layers):
             layer = merged.layer
             qkv = few_rows_linear(x, merged.qkv, merged.qkv_bias, norm=layer.input_layernorm.weight, eps=self.eps)
-            attended = self._attend(index, qkv, slots, lengths, k_cache, v_cache, decode)
+            attended = self._attend(index, qkv, positions, slots, lengths, k_cache, v_cache)
             o_proj = layer.self_attn.o_proj
             few_rows_linear(attended, o_proj.weight, o_proj.bias, residual=x)
             gate_up = few_rows_linear(x, merged.gate_up, norm=layer.post_attention_layernorm.weight, eps=self.eps)
             down = layer.mlp.down_proj
             few_rows_linear(gate_up, down.weight, down.bias, swiglu=True, residual=x)
 
-    def _attend(self, index: int, qkv: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, decode: bool) -> torch.Tensor:
+    def _attend(self, index: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                lengths: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Layer `index`'s attention from its merged q/k/v projection [N, (Hq + 2 Hkv) * D] -> [N, Hq * D]."""
         attention = self.layers[index].layer.self_attn
-        token = (qkv, attention.q_norm.weight, attention.k_norm.weight, self.inv_freq, lengths, slots, k_cache[index],
-                 v_cache[index], self.q_heads, self.eps)
-        if decode:
-            return new_token_attention(*token).view(qkv.shape[0], -1)
-        queries = store_new_tokens(*token)
+        queries = qk_norm_rope_store(qkv, attention.q_norm.weight, attention.k_norm.weight, self.inv_freq, positions,
+                                     slots, k_cache[index], v_cache[index], self.q_heads, self.eps)
         return varlen_attention(queries, k_cache[index], v_cache[index], slots, lengths).view(qkv.shape[0], -1)

@@ -8,7 +8,7 @@ it is one pass that reads `x` and the remembered columns once and writes the pad
 precedes gets its padding here too. After one: its bias and the residual in one pass (`add_bias_residual`), where
 PyTorch's bias add (a broadcast: its slow, non-vectorised kernel) and the residual add were two.
 
-Every intermediate is rounded to the model dtype where PyTorch rounds it (`rounded`), so the result follows the
+Every intermediate is rounded to the model dtype where PyTorch rounds it (`_rounded`), so the result follows the
 reference's arithmetic. The outputs are written channels-minor when asked ([B, C, T] with channel stride 1, the
 memory of [B, T, C]): cuDNN's convolutions on the GPU run in that layout without converting to it and back
 (docs/benchmarks.md). Inputs may come in any strides. `TRITON_INTERPRET=1` runs them on the CPU for the tests.
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention import MIN_DOT
-from engine.kernels.layer_ops import rounded
+from engine.kernels.layer_ops import _rounded
 
 TILE = 4096  # elements a program writes: BLOCK_T time columns by BLOCK_C channels
 MAX_BLOCK_C = 64
@@ -36,12 +36,12 @@ POINTWISE_WARPS, POINTWISE_STAGES = 8, 3
 def _snake_beta(x, alpha_ptr, beta_ptr, chans, channels, dtype: tl.constexpr):
     """SnakeBeta of x (fp32 values of the model dtype) for channels `chans` (broadcast against x), rounded where
     PyTorch rounds."""
-    alpha = rounded(tl.exp(tl.load(alpha_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32)), dtype)
+    alpha = _rounded(tl.exp(tl.load(alpha_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32)), dtype)
     beta = tl.load(beta_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32)
-    beta = rounded(rounded(tl.exp(beta), dtype) + 1e-9, dtype)
-    inverse_beta = rounded(1.0 / beta, dtype)
-    sine = rounded(tl.sin(rounded(x * alpha, dtype)), dtype)
-    return rounded(x + rounded(inverse_beta * rounded(sine * sine, dtype), dtype), dtype)
+    beta = _rounded(_rounded(tl.exp(beta), dtype) + 1e-9, dtype)
+    inverse_beta = _rounded(1.0 / beta, dtype)
+    sine = _rounded(tl.sin(_rounded(x * alpha, dtype)), dtype)
+    return _rounded(x + _rounded(inverse_beta * _rounded(sine * sine, dtype), dtype), dtype)
 
 
 @triton.jit
@@ -59,7 +59,7 @@ def _padded_kernel(x_ptr, past_ptr, bias_ptr, alpha_ptr, beta_ptr, out_ptr, tail
     x = tl.load(x_ptr + batch * x_sb + chans * x_sc + (cols - context) * x_st, mask=is_new,
                 other=0.0).to(tl.float32)
     if HAS_BIAS:
-        x = rounded(x + tl.load(bias_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32), dtype)
+        x = _rounded(x + tl.load(bias_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32), dtype)
     if ACTIVATE:
         x = _snake_beta(x, alpha_ptr, beta_ptr, chans, channels, dtype)
     if HAS_PAST:
@@ -84,7 +84,7 @@ def _bias_residual_kernel(residual_ptr, x_ptr, bias_ptr, out_ptr, channels, fram
     dtype = out_ptr.dtype.element_ty
     mask = (chans < channels) & (cols < frames)
     x = tl.load(x_ptr + batch * x_sb + chans * x_sc + cols * x_st, mask=mask, other=0.0).to(tl.float32)
-    biased = rounded(x + tl.load(bias_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32), dtype)
+    biased = _rounded(x + tl.load(bias_ptr + chans, mask=chans < channels, other=0.0).to(tl.float32), dtype)
     residual = tl.load(residual_ptr + batch * r_sb + chans * r_sc + cols * r_st, mask=mask, other=0.0)
     tl.store(out_ptr + batch * out_sb + chans * out_sc + cols * out_st,
              (residual.to(tl.float32) + biased).to(dtype), mask=mask)
@@ -106,13 +106,13 @@ def _snake_pointwise_residual_kernel(h_ptr, in_bias_ptr, alpha_ptr, beta_ptr, we
         in_mask = ins < channels
         h = tl.load(h_ptr + (batch * h_sb + col * h_st)[:, None] + ins[None, :] * h_sc,
                     mask=row_mask & in_mask[None, :], other=0.0).to(tl.float32)
-        h = rounded(h + tl.load(in_bias_ptr + ins, mask=in_mask, other=0.0).to(tl.float32)[None, :], dtype)
+        h = _rounded(h + tl.load(in_bias_ptr + ins, mask=in_mask, other=0.0).to(tl.float32)[None, :], dtype)
         activated = _snake_beta(h, alpha_ptr, beta_ptr, ins[None, :], channels, dtype).to(dtype)
         weight = tl.load(weight_ptr + outs * w_so + ins[:, None] * w_si,
                          mask=(outs < channels) & in_mask[:, None], other=0.0)
         acc = tl.dot(activated, weight, acc, input_precision=PRECISION)
     mask = row_mask & (outs < channels)
-    biased = rounded(rounded(acc, dtype) + tl.load(bias_ptr + outs, mask=outs < channels, other=0.0).to(tl.float32),
+    biased = _rounded(_rounded(acc, dtype) + tl.load(bias_ptr + outs, mask=outs < channels, other=0.0).to(tl.float32),
                       dtype)
     residual = tl.load(residual_ptr + (batch * r_sb + col * r_st)[:, None] + outs * r_sc, mask=mask, other=0.0)
     tl.store(out_ptr + (batch * out_sb + col * out_st)[:, None] + outs * out_sc,

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dependent_launch import dependent_launch, wait_for_inputs
-from engine.kernels.layer_ops import rounded
 
 PLAIN = tl.constexpr(0)  # what is applied to the input as it is loaded
 NORM = tl.constexpr(1)
@@ -31,6 +30,11 @@ SWIGLU = tl.constexpr(2)
 # per program instead, so there a program takes many more outputs (each output's sum is the same either way)
 GPU_BLOCK_N = 8
 INTERPRETED_BLOCK_N = 256
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    return x.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -60,17 +64,17 @@ def _few_rows_linear_kernel(x_ptr, weight_ptr, bias_ptr, norm_ptr, residual_ptr,
         x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
         if INPUT == NORM:
             scale = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            x = scale[None, :] * rounded(x * inv_rms[:, None], dtype)
+            x = scale[None, :] * _rounded(x * inv_rms[:, None], dtype)
         elif INPUT == SWIGLU:  # x is the gate, the up projection `width` columns to its right
             up = tl.load(x_ptr + row[:, None] * stride_x + width + k[None, :], mask=x_mask, other=0.0)
-            x = rounded(x * tl.sigmoid(x), dtype) * up.to(tl.float32)
+            x = _rounded(x * tl.sigmoid(x), dtype) * up.to(tl.float32)
         w = tl.load(weight_ptr + col[:, None] * width + k[None, :], mask=col_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        lanes += rounded(x, dtype)[:, None, :] * w.to(tl.float32)[None, :, :]
+        lanes += _rounded(x, dtype)[:, None, :] * w.to(tl.float32)[None, :, :]
     acc = tl.sum(lanes, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = rounded(acc, dtype)
+    out = _rounded(acc, dtype)
     out_mask = row_mask[:, None] & col_mask[None, :]
     if ADD_RESIDUAL:
         target = residual_ptr + row[:, None] * stride_out + col[None, :]

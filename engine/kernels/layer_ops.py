@@ -2,9 +2,8 @@
 
 A frame step runs 103 transformer blocks (28 talker, 5 x 15 code predictor) at one token per request, where every
 PyTorch op is its own kernel launch costing more than its arithmetic. Each kernel here replaces a chain of them:
-residual add + RMSNorm, SwiGLU (q/k RMSNorm + RoPE + the K/V cache write are attention.py's). Every intermediate is
-rounded to the model dtype where the reference rounds it (`rounded`), so the fused path follows the reference's
-arithmetic.
+residual add + RMSNorm, q/k RMSNorm + RoPE + the K/V cache write, SwiGLU. Every intermediate is rounded to the
+model dtype where the reference rounds it (`_rounded`), so the fused path follows the reference's arithmetic.
 `TRITON_INTERPRET=1` runs them on the CPU for the tests.
 """
 from __future__ import annotations
@@ -17,16 +16,9 @@ from engine.kernels.dependent_launch import dependent_launch, wait_for_inputs
 
 
 @triton.jit
-def rounded(x, DTYPE: tl.constexpr):
+def _rounded(x, DTYPE: tl.constexpr):
     """Round an fp32 value to the model dtype and back, as a PyTorch op on model-dtype tensors would."""
     return x.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
-def roped(x, mate, first_half, cos, sin, DTYPE: tl.constexpr):
-    """apply_rope of fp32 values x: x * cos + rotate_half(x) * sin, rounded as PyTorch rounds it; `mate` holds each
-    value's partner in the other half of its head, negated where `first_half`."""
-    return rounded(rounded(x * cos, DTYPE) + rounded(tl.where(first_half, -mate, mate) * sin, DTYPE), DTYPE)
 
 
 @triton.jit
@@ -41,10 +33,10 @@ def _add_rms_norm_kernel(residual_ptr, delta_ptr, scale_ptr, weight_ptr, normed_
     if HAS_DELTA:
         delta = tl.load(delta_ptr + row * size + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SCALE:  # a LayerScale on the branch, rounded as its own multiply
-            delta = rounded(delta * tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32), dtype)
-        x = rounded(x + delta, dtype)
+            delta = _rounded(delta * tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32), dtype)
+        x = _rounded(x + delta, dtype)
         tl.store(residual_ptr + row * size + cols, x.to(dtype), mask=mask)
-    normalised = rounded(x * tl.rsqrt(tl.sum(x * x, axis=0) / size + eps), dtype)
+    normalised = _rounded(x * tl.rsqrt(tl.sum(x * x, axis=0) / size + eps), dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed_ptr + row * size + cols, (weight * normalised).to(dtype), mask=mask)
 
@@ -65,6 +57,63 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
 
 
 @triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, inv_freq_ptr, positions_ptr, slots_ptr,
+                         q_out_ptr, k_cache_ptr, v_cache_ptr,
+                         stride_qkv, stride_cs, stride_ch, stride_cc, eps,
+                         Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    head = tl.program_id(1)  # query heads first, then key heads (each also moves its value head)
+    half = HALF
+    dims = tl.arange(0, HALF)
+    dtype = q_out_ptr.dtype.element_ty
+    is_query = head < Q_HEADS
+    source = qkv_ptr + row * stride_qkv + head * HEAD_DIM
+    x1 = tl.load(source + dims).to(tl.float32)
+    x2 = tl.load(source + half + dims).to(tl.float32)
+    inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+    w1 = tl.where(is_query, tl.load(q_norm_ptr + dims), tl.load(k_norm_ptr + dims)).to(tl.float32)
+    w2 = tl.where(is_query, tl.load(q_norm_ptr + half + dims), tl.load(k_norm_ptr + half + dims)).to(tl.float32)
+    x1 = _rounded(w1 * _rounded(x1 * inv_rms, dtype), dtype)
+    x2 = _rounded(w2 * _rounded(x2 * inv_rms, dtype), dtype)
+    angle = tl.load(positions_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + dims)
+    cos = _rounded(tl.cos(angle), dtype)
+    sin = _rounded(tl.sin(angle), dtype)
+    out1 = _rounded(_rounded(x1 * cos, dtype) + _rounded(-x2 * sin, dtype), dtype).to(dtype)
+    out2 = _rounded(_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype), dtype).to(dtype)
+    if is_query:
+        target = q_out_ptr + (row * Q_HEADS + head) * HEAD_DIM
+        tl.store(target + dims, out1)
+        tl.store(target + half + dims, out2)
+    else:
+        kv_head = head - Q_HEADS
+        position = tl.load(positions_ptr + row)
+        cache = tl.load(slots_ptr + row) * stride_cs + kv_head * stride_ch + position * stride_cc
+        tl.store(k_cache_ptr + cache + dims, out1)
+        tl.store(k_cache_ptr + cache + half + dims, out2)
+        kv_heads = tl.num_programs(1) - Q_HEADS
+        value = source + kv_heads * HEAD_DIM
+        tl.store(v_cache_ptr + cache + dims, tl.load(value + dims))
+        tl.store(v_cache_ptr + cache + half + dims, tl.load(value + half + dims))
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, inv_freq: torch.Tensor,
+                       positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       q_heads: int, eps: float) -> torch.Tensor:
+    """qkv [N, (Hq + 2 Hkv) * D] -> queries [N, Hq, D], normed and rotated; the rotated keys and the values are
+    written into the caches [slots, Hkv, capacity, D] at (slots[n], positions[n])."""
+    rows = qkv.shape[0]
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    queries = torch.empty(rows, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    pdl = dependent_launch(qkv.device)
+    _qk_norm_rope_kernel[(rows, q_heads + kv_heads)](
+        qkv, q_norm, k_norm, inv_freq, positions, slots, queries, k_cache, v_cache,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        Q_HEADS=q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, PDL=pdl, launch_pdl=pdl)
+    return queries
+
+
+@triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, size, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -73,7 +122,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, size, BLOCK: tl.constexpr, PDL: tl.co
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_up_ptr + row * 2 * size + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * 2 * size + size + cols, mask=mask, other=0.0).to(tl.float32)
-    activated = rounded(gate * tl.sigmoid(gate), dtype)
+    activated = _rounded(gate * tl.sigmoid(gate), dtype)
     tl.store(out_ptr + row * size + cols, (activated * up).to(dtype), mask=mask)
 
 

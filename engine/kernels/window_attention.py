@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dependent_launch import dependent_launch, wait_for_inputs
-from engine.kernels.layer_ops import roped, rounded
+from engine.kernels.layer_ops import _rounded
 
 
 @triton.jit
@@ -23,7 +23,9 @@ def _roped(ptr, partner_ptr, first_half, cos, sin, mask, DTYPE: tl.constexpr):
     """apply_rope of the values at `ptr`: x * cos + rotate_half(x) * sin, rounded as PyTorch rounds it; `partner_ptr`
     points at each value's partner in the other half of its head, `first_half` where it is negated."""
     x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    return roped(x, tl.load(partner_ptr, mask=mask, other=0.0).to(tl.float32), first_half, cos, sin, DTYPE)
+    partner = tl.load(partner_ptr, mask=mask, other=0.0).to(tl.float32)
+    rotated = tl.where(first_half, -partner, partner)
+    return _rounded(_rounded(x * cos, DTYPE) + _rounded(rotated * sin, DTYPE), DTYPE)
 
 
 @triton.jit
@@ -69,12 +71,12 @@ def _window_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, past_k_ptr, past_v_ptr, 
         q = _roped(query, query + partner_shift, first_half,
                    tl.load(cos_ptr + rope_i, mask=dim_mask, other=0.0).to(tl.float32),
                    tl.load(sin_ptr + rope_i, mask=dim_mask, other=0.0).to(tl.float32), dim_mask, dtype)
-        scores = rounded(rounded(tl.sum(q[None, :] * k, axis=1), dtype) * scale, dtype)
+        scores = _rounded(_rounded(tl.sum(q[None, :] * k, axis=1), dtype) * scale, dtype)
         # frame position + i sees the WINDOW frames up to its own (keys i+1 .. i+WINDOW), none before the stream
         visible = (keys > i) & (keys <= i + WINDOW) & (keys >= WINDOW - position)
         scores = tl.where(visible, scores, float("-inf"))
         weights = tl.exp(scores - tl.max(scores, axis=0))
-        weights = rounded(weights / tl.sum(weights, axis=0), dtype)
+        weights = _rounded(weights / tl.sum(weights, axis=0), dtype)
         out = tl.sum(weights[:, None] * v, axis=0)
         tl.store(out_ptr + row * stride_out_b + i * stride_out_n + head * HEAD_DIM + dims, out.to(dtype),
                  mask=dim_mask)
