@@ -113,13 +113,18 @@ class _LingeringTransport:
 # seconds a request body may go without a byte while the server waits to read it; a stalled body is closed (a
 # hostile try held every connection of the server with request headers, one body byte and then nothing)
 BODY_STALL_S = 30.0
+# a body still coming BODY_GRACE_S after it began must have kept up MIN_BODY_RATE on average: one trickled a byte at
+# a time never stalls, and held its connection (the cap's room) for as long as it liked (a hostile try)
+BODY_GRACE_S = 10.0
+MIN_BODY_RATE = 1_000  # bytes a second
 
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the guards it lacks. A request's headers (a WebSocket handshake's included) must
     be complete within `handshake_timeout_s` of the connection, or of the first byte of a later request on a kept-
-    alive one; a request body must not stop for BODY_STALL_S while the server waits for it (a slow body is fine, a
-    stopped one is not); otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up.
+    alive one; a request body must not stop for BODY_STALL_S while the server waits for it, nor average less than
+    MIN_BODY_RATE once BODY_GRACE_S have passed (a slow small body is fine, a stopped or trickled one is not);
+    otherwise the connection is closed, so idle and one-byte-a-second sockets cannot pile up.
     Past `max_connections` open connections (HTTP and WebSocket) the oldest connection the server owes nothing is
     answered 503 and closed to make room (one that has sent no complete request yet, a kept-alive one between
     requests, or one answered already whose body is only being drained): no answer is lost, and sockets that never
@@ -138,6 +143,8 @@ class GuardedH11Protocol(H11Protocol):
         self.max_connections = max_connections
         self._headers_deadline: asyncio.TimerHandle | None = None
         self._body_deadline: asyncio.TimerHandle | None = None
+        self._body_since: float | None = None  # when the body being read began
+        self._body_bytes = 0  # bytes received since then
         self._upgraded = False  # the socket belongs to the WebSocket protocol now
         self.lingering = False  # answered and closing: the rest of the request's body is read and dropped
         self._linger_parsed = True  # lingering, the body ends where h11 says (else: until the client closes)
@@ -189,6 +196,7 @@ class GuardedH11Protocol(H11Protocol):
             return
         if self.conn.their_state is h11.IDLE:
             self._arm()
+        self._body_bytes += len(data)
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
             self._disarm()
@@ -277,12 +285,21 @@ class GuardedH11Protocol(H11Protocol):
         return False
 
     def _watch_body(self) -> None:
-        """After each piece of a request: while its body is still to come, BODY_STALL_S from now."""
+        """After each piece of a request: while its body is still to come, BODY_STALL_S from now; closed at once
+        when it has come too slowly (MIN_BODY_RATE after BODY_GRACE_S)."""
         self._stop_watching_body()
         # an upgrade's request never reaches its end in h11 (its state stays SEND_BODY): the WebSocket protocol owns
         # the socket, and a timer here closed every session BODY_STALL_S after its handshake
-        if self.conn.their_state is h11.SEND_BODY and not self._upgraded and not self.transport.is_closing():
-            self._body_deadline = self.loop.call_later(BODY_STALL_S, self._body_stalled)
+        if self.conn.their_state is not h11.SEND_BODY or self._upgraded or self.transport.is_closing():
+            self._body_since = None
+            return
+        now = self.loop.time()
+        if self._body_since is None or self.flow.read_paused:  # (the server's own pause is not the client's pace)
+            self._body_since, self._body_bytes = now, 0
+        elif now - self._body_since > BODY_GRACE_S and self._body_bytes < MIN_BODY_RATE * (now - self._body_since):
+            self._body_stalled()
+            return
+        self._body_deadline = self.loop.call_later(BODY_STALL_S, self._body_stalled)
 
     def _stop_watching_body(self) -> None:
         if self._body_deadline is not None:

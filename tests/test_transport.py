@@ -94,6 +94,38 @@ def test_a_stopped_request_body_is_closed_and_a_slow_one_is_not(server, monkeypa
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
 
 
+def test_a_trickled_request_body_is_closed_and_a_steady_one_is_not(server, monkeypatch):
+    """A body that never stops but comes a few bytes at a time held its connection (the cap's room) for as long as
+    its client liked: past BODY_GRACE_S it must have averaged MIN_BODY_RATE. One that keeps the rate is read whole."""
+    monkeypatch.setattr(http_transport, "BODY_GRACE_S", 1.0)
+    monkeypatch.setattr(http_transport, "MIN_BODY_RATE", 1_000)
+    body = json.dumps({"input": "Hi.", "response_format": "pcm", "stream": False}).encode() + b" " * 6_000
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+            b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+    with raw_socket(server) as sock:  # 100 bytes a second, never stopping
+        sock.sendall(head)
+        started, closed = time.monotonic(), False
+        sock.settimeout(0.1)
+        for index in range(0, len(body), 10):
+            try:
+                sock.send(body[index:index + 10])
+                closed = sock.recv(4096) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+            if closed or time.monotonic() - started > 1.0 + 2 * MARGIN_S:
+                break
+        assert closed and 0.9 <= time.monotonic() - started <= 1.0 + 2 * MARGIN_S
+    with raw_socket(server) as sock:  # 4,000 bytes a second for 2 s: above the rate all along
+        sock.sendall(head)
+        for index in range(0, len(body), 400):
+            sock.sendall(body[index:index + 400])
+            time.sleep(0.1)
+        sock.settimeout(60)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+
+
 @pytest.mark.parametrize("connection", [b"Connection: close\r\n", b""], ids=["close", "keep-alive"])
 def test_an_answered_request_whose_body_never_ends_lingers_no_longer_than_the_bound(server, monkeypatch, connection):
     """A request answered before its body (413 from its Content-Length) keeps the connection while the rest of

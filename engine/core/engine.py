@@ -192,33 +192,36 @@ class Engine:
         seq = self._find(request_id)
         if seq.feed.ended:
             raise RequestError(f"request {request_id}: text appended after its end")
-        try:
+
+        def append() -> None:
             check_text("text", text)
             seq.feed.append(text)
-        except Exception as error:
-            self._fail(seq, request_error(error, "tokenizing its text"))
+        self._tokenize(seq, append)
 
     def settle_text(self, request_id: int) -> None:
         """The text of a streaming-text request has paused: its last words are read now instead of when more text
         shows where they end (`TextFeed.settle`)."""
         seq = self._find(request_id)
-        try:
-            seq.feed.settle()
-        except Exception as error:
-            self._fail(seq, request_error(error, "tokenizing its text"))
+        self._tokenize(seq, seq.feed.settle)
 
     def end_text(self, request_id: int) -> None:
         """The text of a streaming-text request is complete: it speaks to the end, then finishes."""
         seq = self._find(request_id)
-        try:
-            seq.feed.end()
-        except Exception as error:
-            self._fail(seq, request_error(error, "tokenizing its text"))
+        if not self._tokenize(seq, seq.feed.end):
             return
         if self.length is not None:
             self._hold_to_length(seq)
         elif seq.request.max_frames is None:
             seq.max_frames = min(seq.max_frames, self.config.guard.limit(len(seq.feed.ids)))
+
+    def _tokenize(self, seq: Sequence, feed: Callable[[], None]) -> bool:
+        """Run a step of a request's text feed; text that cannot be read fails that request alone (False)."""
+        try:
+            feed()
+        except Exception as error:
+            self._fail(seq, request_error(error, "tokenizing its text"))
+            return False
+        return True
 
     def _hold_to_length(self, seq: Sequence) -> None:
         """Synthetic length: a streaming-text request's frame count is known once its text is. One that already
