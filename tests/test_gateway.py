@@ -513,6 +513,43 @@ def test_a_first_append_with_a_lone_surrogate_names_its_context_and_creates_none
     run(go())
 
 
+START_FIELDS_TO_BREAK = st.sampled_from(["voice", "language", "instructions", "preset", "timestamps",
+                                         "audio.encoding", "text.buffering", "sampling.seed", "lexicon term",
+                                         "lexicon"])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=START_FIELDS_TO_BREAK, broken=BROKEN_TEXT)
+def test_a_session_start_field_with_a_lone_surrogate_is_refused_alone(server, where, broken):
+    """PROTOCOL.md: a bad session.start field gets a non-fatal error{invalid_config}, keeps its previous value, and
+    the session.start is answered by a session.started. A lone surrogate in one field refused the whole message with
+    no session.started: the others were not applied and a client waiting for its answer (ours) waited forever."""
+    message = {"type": "session.start", "event_id": "s", "audio": {"encoding": "mulaw", "sample_rate": 8000}}
+    name, _, inner = where.partition(".")
+    if where == "lexicon term":
+        message["lexicon"] = [{"term": broken, "replacement": "x"}]
+    elif inner:
+        message[name] = {**message.get(name, {}), inner: broken}
+    else:
+        message[name] = broken
+
+    async def go():
+        conn = await session(server)
+        await conn.ws.send(json.dumps(message))
+        events = await conn.until(lambda e: e["type"] == "session.started")
+        errors = [e for e in events if e["type"] == "error"]
+        field = where.split()[0]
+        assert len(errors) == 1 and errors[0]["code"] == "invalid_config", events
+        assert errors[0]["event_id"] == "s" and not errors[0]["fatal"] and "lone surrogate" in errors[0]["message"]
+        assert field in errors[0]["message"], errors
+        started = events[-1]
+        assert started["event_id"] == "s"
+        expected_encoding = "opus" if name == "audio" else "mulaw"  # the broken field alone kept its old value
+        assert started["audio"]["encoding"] == expected_encoding, started
+        await conn.ws.close()
+    run(go())
+
+
 NOT_UTF8 = st.sampled_from([b"\xff", b"\xc3", b"\xc3(", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80",
                              b"\xc0\xaf", b"\xf4\x90\x80\x80"]) | st.binary(min_size=1).filter(
     lambda raw: not _decodes(raw))

@@ -97,10 +97,11 @@ CONTEXT_FIELDS = ("voice", "instructions", "language", "lexicon")  # a text.appe
 _STR, _BOOL, _OBJ = (str,), (bool,), (dict,)
 _NUMBER = (int, float)
 _ANY = (object,)
+SESSION_FIELDS = ("voice", "language", "instructions", "audio", "transport", "text", "sampling", "timestamps")
+SESSION_START_FIELDS = ("preset", *SESSION_FIELDS, "lexicon")
 # type -> {field: (accepted python types, required)}; session.start's fields are checked one by one by `configure`
 MESSAGES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "session.start": {name: (_ANY, False) for name in ("voice", "language", "instructions", "audio", "transport",
-                                                       "preset", "text", "sampling", "timestamps", "lexicon")},
+    "session.start": {name: (_ANY, False) for name in SESSION_START_FIELDS},
     "text.append": {"context_id": (_STR, True), "text": (_STR, True), "flush": (_BOOL, False),
                     "voice": (_STR, False), "instructions": (_STR, False), "language": (_STR, False),
                     "lexicon": ((str, list), False)},
@@ -204,13 +205,22 @@ def _no_constant(name: str) -> float:
     raise ProtocolError("invalid_json", f"{name} is not a JSON number")
 
 
-def _check_unicode(value: Any, code: str) -> None:
+def _check_unicode(value: Any, code: str, path: str = "message") -> None:
     """Refuses a lone surrogate in any string or key; one C pass (an encoding of the whole value), and a walk only to
-    name where the one it found is."""
+    name where the one it found is (`path`: the value's name)."""
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except (UnicodeEncodeError, TypeError, ValueError):  # a surrogate; or not JSON's types (a server-made message)
-        _find_surrogate(value, code)
+        _find_surrogate(value, code, path)
+
+
+def valid_unicode(value: Any) -> bool:
+    """Whether no string or key in `value` holds a lone surrogate."""
+    try:
+        _check_unicode(value, "invalid_message")
+    except ProtocolError:
+        return False
+    return True
 
 
 def _find_surrogate(value: Any, code: str, path: str = "message") -> None:
@@ -293,7 +303,9 @@ def check_message(message: Any, schemas: dict[str, dict[str, tuple[tuple[type, .
     event_id = _event_id(message)
     try:
         if check_unicode:
-            _check_unicode(message, "invalid_config" if message.get("type") == "session.start" else "invalid_message")
+            # a session.start's field values are checked where each applies, a bad one refused alone (`configure`)
+            _check_unicode(dict.fromkeys(message) if message.get("type") == "session.start" else message,
+                           "invalid_message")
         _check_fields(message, schemas)
     except ProtocolError as failure:
         failure.event_id = event_id
@@ -410,6 +422,12 @@ def configure(config: SessionConfig, fields: dict[str, Any], checks: SessionChec
     for a voice that takes none (`invalid_config`, as PROTOCOL.md's bad session field); `lexicons` resolves a
     `lexicon` field (without it the field is refused)."""
     errors = []
+    for name in SESSION_START_FIELDS:  # a lone surrogate refuses its field alone (a session.start's are checked here)
+        try:
+            _check_unicode(fields.get(name), "invalid_config", name)
+        except ProtocolError as failure:
+            errors.append(failure)
+            fields = {key: value for key, value in fields.items() if key != name}
     previous_instructions = config.instructions
     preset = fields.get("preset")
     if preset is not None:
@@ -440,7 +458,6 @@ def configure(config: SessionConfig, fields: dict[str, Any], checks: SessionChec
     return config, errors
 
 
-SESSION_FIELDS = ("voice", "language", "instructions", "audio", "transport", "text", "sampling", "timestamps")
 TIMESTAMPS = ("none", "word")
 
 

@@ -33,6 +33,7 @@ from realtime.ws.protocol import (
     never_dropped,
     parse_message,
     session_started,
+    valid_unicode,
 )
 from realtime.ws.rate_limit import MessageBudget, RateLimiter
 from realtime.ws.registry import ContextRegistry
@@ -239,7 +240,8 @@ class Session:
                 message = parse_message(text)
             except ProtocolError as failure:
                 refusal = failure
-        if message is not None and isinstance(message.get("lexicon"), list) and self._takes_lexicon(message):
+        if message is not None and isinstance(message.get("lexicon"), list) and self._takes_lexicon(message) \
+                and valid_unicode(message["lexicon"]):  # (a session.start's bad lexicon is refused with its field)
             rules = len(message["lexicon"])  # past MAX_RULES it is refused for its size before any compile: free
             if not self._lexicon_budget.allow(rules if rules <= MAX_RULES else 0):
                 refusal = ProtocolError("rate_limited", f"inline lexicons of more than {INLINE_RULES_RATE} rules a "
