@@ -247,7 +247,12 @@ def parse_message(text: str, schemas: dict[str, dict[str, tuple[tuple[type, ...]
                   ) -> dict[str, Any]:
     """A client text frame as a validated message dict (`schemas`: voxgate.v1's messages unless another socket's);
     raises ProtocolError (never fatal) carrying the message's `event_id` when it had a valid one."""
-    message, suspect = _decode_json(text, "invalid_message")
+    try:
+        message, suspect = _decode_json(text, "invalid_message")
+    except ProtocolError as failure:
+        if failure.code != "invalid_json":  # JSON, only out of bounds (digits, depth): its ids can still be named
+            _name_its_message(failure, _read_leniently(text), context=schemas is MESSAGES)
+        raise
     return check_message(message, schemas, check_unicode=suspect)
 
 
@@ -261,13 +266,21 @@ NEVER_DROPPED = frozenset({"context.end", "context.cancel"})
 def _peek(text: str) -> dict[str, Any] | None:
     """A message past the rate as a JSON object, read only when it is at most `MAX_DROPPED_PEEK_BYTES` (a flood of
     large ones costs no parse); None otherwise, or when it is not one."""
-    if len(text) > MAX_DROPPED_PEEK_BYTES:
-        return None
+    return None if len(text) > MAX_DROPPED_PEEK_BYTES else _read_leniently(text)
+
+
+def _read_leniently(text: str) -> dict[str, Any] | None:
+    """A JSON object read only for its top-level fields (no bound on depth; an integer too long for any field is
+    read as None, unconverted); None where it is not one, or nests past the interpreter's recursion limit."""
     try:
-        message = json.loads(text, parse_constant=_no_constant)
+        message = json.loads(text, parse_constant=_no_constant, parse_int=_short_int)
     except (ValueError, ProtocolError, RecursionError):
         return None
     return message if isinstance(message, dict) else None
+
+
+def _short_int(digits: str) -> int | None:
+    return int(digits) if len(digits.lstrip("-")) <= MAX_INTEGER_DIGITS else None
 
 
 def never_dropped(text: str) -> bool:
@@ -279,15 +292,17 @@ def never_dropped(text: str) -> bool:
 def dropped(text: str, reason: str) -> ProtocolError:
     """A `rate_limited` refusal of a message dropped unparsed, carrying its event_id and context_id where the message
     is small enough that reading them costs nothing (a dropped append must be told apart from the rest)."""
-    failure = ProtocolError("rate_limited", f"{reason}; this message was dropped")
-    message = _peek(text)
+    return _name_its_message(ProtocolError("rate_limited", f"{reason}; this message was dropped"), _peek(text))
+
+
+def _name_its_message(failure: ProtocolError, message: dict[str, Any] | None, context: bool = True) -> ProtocolError:
+    """`failure` carrying the event_id (and with `context` the context_id: voxgate.v1's messages) of the message it
+    refuses, where they are valid ones."""
     if message is not None:
         with contextlib.suppress(ProtocolError):  # a bad one is left out, not refused again
             failure.event_id = _event_id(message)
-            context_id = message.get("context_id")
-            if isinstance(context_id, str) and len(context_id) <= MAX_NAME_CHARS:
-                _check_text(context_id, "context_id", "invalid_message")
-                failure.context_id = context_id
+        if context:
+            failure.context_id = _context_id(message)
     return failure
 
 
