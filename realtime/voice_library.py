@@ -215,6 +215,10 @@ class VoiceLibrary:
         """Remove a stored voice: new requests no longer find it, those speaking with it finish."""
         if self.catalog.stored(voice_id) is None:
             raise self._unknown(voice_id)
+        mapped = self.catalog.openai_names_of(voice_id)
+        if mapped:  # deleted, those names would speak no voice, and the server's next start with them would fail
+            raise voice_failure("voice_in_use", f"the voice {voice_id!r} is what --openai-voice maps "
+                                                f"{', '.join(mapped)} to: restart without that mapping to delete it")
         self.catalog.remove_stored(voice_id)
         await asyncio.to_thread(self.store.delete, voice_id)
         return {"id": voice_id, "deleted": True}

@@ -106,6 +106,11 @@ class VoiceCatalog:
             mapped[name] = self._key(voice) if voice is not None else like
         return mapped
 
+    def openai_names_of(self, voice_id: str) -> list[str]:
+        """The OpenAI voice names that `--openai-voice` maps to this voice."""
+        key = self._key(voice_id)
+        return [name for name, voice in self.openai_voices.items() if voice == key]
+
     def openai_voice(self, voice_id: str | None) -> str | None:
         """The model's voice for one of OpenAI's voice names; any other id as it is (the model's own voices first:
         a clone named `alloy` stays itself)."""

@@ -178,6 +178,23 @@ def test_upload_use_restart_delete(base_model, tmp_path, one_thread):
         assert status == 400 and refused["code"] == "unknown_voice" and "POST /v1/audio/voices" in refused["message"]
 
 
+def test_a_voice_an_openai_name_maps_to_is_not_deleted(base_model, tmp_path, one_thread):
+    """Deleting the stored voice `--openai-voice alloy=alice` names left `alloy` speaking no voice, and the server's
+    next start with the same flags failed (a crash loop under a supervisor): 409 `voice_in_use`, the voice kept."""
+    data_dir = tmp_path / "data"
+    with running_server(model=base_model, data_dir=data_dir) as server:
+        assert upload(server, "alice", wav()).status_code == 201
+        assert upload(server, "bob", wav(1.5)).status_code == 201
+    with running_server(model=base_model, data_dir=data_dir, openai_voices=(("alloy", "alice"),)) as server:
+        refused = httpx.delete(server.http + "/v1/audio/voices/alice")
+        assert refused.status_code == 409 and error_code(refused) == "voice_in_use", refused.text
+        assert "alloy" in refused.json()["error"]["message"]
+        assert speech(server, "alloy")[0] == 200 and server.get("/v1/audio/voices/alice")[0] == 200
+        assert httpx.delete(server.http + "/v1/audio/voices/bob").status_code == 200  # one nothing maps to
+    with running_server(model=base_model, data_dir=data_dir, openai_voices=(("alloy", "alice"),)) as server:
+        assert speech(server, "alloy")[0] == 200
+
+
 def test_voices_belong_to_their_checkpoint(base_model, tmp_path, one_thread):
     """Another checkpoint (here: other random weights of the same size) on the same data directory sees none of the
     first one's voices, and may store its own under the same name."""
