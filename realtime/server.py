@@ -275,8 +275,10 @@ LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "voxgat
 
 
 # a parameter's name stops at the next separator (`?` too), so the names tried from each separator never overlap and
-# a line costs linear time: a name that could run on over later `?` made "?" * 15,000 take seconds of the event loop
-_QUERY_PARAM = re.compile(r"([?&;])([^=&;?#\s\"']*)=([^&;#\s\"']*)")
+# a line costs linear time: a name that could run on over later `?` made "?" * 15,000 take seconds of the event loop.
+# A value runs to the next `&`, `#` or space, as the query is parsed; a `;` or quote ends it only where another
+# parameter's `name=` follows (a key holding `;` or `'` was logged from there on: a hostile try)
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;?#\s\"']*)=((?:[^&#\s;\"']|[;\"'](?![^=&#\s;?\"']*=))*)")
 
 
 def redact(text: str) -> str:
