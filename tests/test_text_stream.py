@@ -133,6 +133,22 @@ def test_cleanup_rules():
         "Plain text, 3.14 and C++ stay; so does #hashtag - here."
 
 
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(st.sampled_from(["42.", "1)", "7", ".", " ", "\t", "\n", "\r\n", "Dial", "- ", "# "]),
+                     max_size=12).map("".join), cut=st.integers(0, 40))
+def test_a_number_ends_a_line_as_itself_and_marks_one_only_before_more(text, cut):
+    """A hostile try: "42." alone was refused as empty text, and "Dial\n911." lost its number, both read as list
+    markers. A number marker is one only where a space or tab follows it on its line; otherwise it is read. Cut
+    anywhere, the text cleans as the whole does."""
+    from engine.text.cleanup import StreamingCleanup, clean_text
+
+    cleanup = StreamingCleanup()
+    cleaned = clean_text(text)
+    assert cleanup.append(text[:cut]) + cleanup.append(text[cut:]) + cleanup.finish() == cleaned
+    assert clean_text("42.") == "42." and clean_text("Dial\n911.") == "Dial\n911." and clean_text("7)\n") == "7)\n"
+    assert clean_text("1. Go there\n2.\tthen here") == "Go there\nthen here"
+
+
 INVISIBLE = "\u00ad\u200b\u200c\u200e\u200f\u202a\u202e\u2060\u2064\u2066\u2069\ufeff"
 
 

@@ -3,7 +3,8 @@
 The rules (each applies to whitespace-separated words, so text that arrives in pieces is cleaned exactly as the
 whole text would be; `StreamingCleanup` releases text only up to its last whitespace):
 - at the start of a line: heading marks (`#` .. `######`), list markers (`-`, `*`, `+`, `1.`, `1)`), quote marks
-  (`>`) and code fences (```` ``` ```` with or without a language) are dropped; the code inside a fence is kept;
+  (`>`) and code fences (```` ``` ```` with or without a language) are dropped; the code inside a fence is kept; a
+  number marker is one only where a space or tab follows it (`42.` alone on its line, or ending the text, is read);
 - emphasis and code marks (`*`, `_`, `~`, `` ` ``) at the start or end of a word are dropped (`**bold**,` becomes
   `bold,`); inside a word they stay (`snake_case`, `2*3`);
 - links `[text](url)` keep their text; a bare URL (`http://`, `https://`, `www.`) is read as its host name
@@ -11,13 +12,14 @@ whole text would be; `StreamingCleanup` releases text only up to its last whites
 - emoji (pictographs, dingbats, flags, skin tones, variation selectors and joiners) are dropped;
 - invisible format characters (zero-width spaces and non-joiners, word joiners, soft hyphens, direction marks and
   embeddings, the byte-order mark) are dropped: they say nothing, and as tokens they are frames of noise;
-- a word that cleaning empties takes its following spaces with it (not a line break).
+- a word that cleaning empties takes its following spaces with it, up to a line break.
 """
 from __future__ import annotations
 
 import re
 
 _LINE_MARKER = re.compile(r"#{1,6}|[-*+>]|\d{1,3}[.)]|```\w*")
+_NUMBER_MARKER = re.compile(r"\d{1,3}[.)]")
 _MARKS = "*_~`"  # emphasis and code
 _NO_MARKS = str.maketrans("", "", _MARKS)
 # a target stops at the next bracket or parenthesis, so the targets tried from each `](` never overlap and a word
@@ -36,8 +38,9 @@ def speakable(text: str) -> bool:
     return _LETTER_OR_DIGIT.search(text) is not None
 
 
-def clean_word(word: str, line_start: bool) -> str:
-    if line_start and _LINE_MARKER.fullmatch(word):
+def clean_word(word: str, line_start: bool, followed_by: str = " ") -> str:
+    """One word as it is spoken; `followed_by`: the character after it ("" at the text's end)."""
+    if line_start and _is_line_marker(word, followed_by):
         return ""
     word = _INVISIBLE.sub("", _EMOJI.sub("", word))
     word = _LINK_TARGET.sub("", word).replace("[", "").replace("]", "")
@@ -45,6 +48,13 @@ def clean_word(word: str, line_start: bool) -> str:
     if url:
         return url.group(1)
     return _without_edge_marks(word)
+
+
+def _is_line_marker(word: str, followed_by: str) -> bool:
+    """A line-start word that marks up its line; a number marker only before more on its line (one character
+    decides, so text in pieces is read as the whole: `StreamingCleanup` holds a word until whitespace follows)."""
+    return _LINE_MARKER.fullmatch(word) is not None and (
+        followed_by in (" ", "\t") or _NUMBER_MARKER.fullmatch(word) is None)
 
 
 def _without_edge_marks(word: str) -> str:
@@ -86,26 +96,25 @@ class StreamingCleanup:
 
     def _clean(self, text: str) -> str:
         out = []
-        for part in _WORDS.split(text):
-            if not part:
-                continue
+        parts = [part for part in _WORDS.split(text) if part]
+        for index, part in enumerate(parts):
             if part.isspace():
                 if "\n" in part:
                     self.line_break()
-                    out.append(part)
+                    out.append(part[part.index("\n"):] if self._dropped else part)
                 elif not self._dropped:
                     out.append(part)
                 continue
-            cleaned = self.word(part)
+            cleaned = self.word(part, parts[index + 1][0] if index + 1 < len(parts) else "")
             self._dropped = not cleaned
             out.append(cleaned)
         return "".join(out)
 
-    def word(self, word: str) -> str:
-        """One word (no whitespace in it) as it is spoken, given the words before it on its line (a list marker is
-        dropped only where it starts its line; one marker a line)."""
-        cleaned = clean_word(word, self._line_start)
-        marker = self._line_start and _LINE_MARKER.fullmatch(word) is not None
+    def word(self, word: str, followed_by: str) -> str:
+        """One word (no whitespace in it) as it is spoken, given the words before it on its line and the character
+        after it ("" at the text's end): a list marker is dropped only where it starts its line; one marker a line."""
+        cleaned = clean_word(word, self._line_start, followed_by)
+        marker = self._line_start and _is_line_marker(word, followed_by)
         self._line_start = self._line_start and not cleaned and not marker
         return cleaned
 

@@ -69,7 +69,8 @@ class WordTimeline:
             if "\n" in self.text[self._untimed_from:token.start()]:
                 self._spoken.line_break()
             self._untimed_from = token.end()
-            word = (self._spoken.word(token.group()) if self.clean_text else token.group()).strip(_MARKUP)
+            after = self.text[token.end():token.end() + 1]
+            word = (self._spoken.word(token.group(), after) if self.clean_text else token.group()).strip(_MARKUP)
             if _SPOKEN.search(word):
                 start = max(self._cursor_s, audio_end_s)
                 end = start + nominal_duration_s(word)
