@@ -48,8 +48,9 @@ class HTTPFailure(Exception):
 
     @classmethod
     def of(cls, failure: ProtocolError, status: int | None = None, param: str | None = None) -> "HTTPFailure":
-        """A protocol error on HTTP: 400 unless its code says otherwise."""
-        return cls(status or PROTOCOL_STATUS.get(failure.code, 400), failure.code, failure.message, param)
+        """A protocol error on HTTP: 400 unless its code says otherwise; `param` defaults to the field it names."""
+        return cls(status or PROTOCOL_STATUS.get(failure.code, 400), failure.code, failure.message,
+                   param or failure.field)
 
 
 def engine_error(error: BaseException | None, context_id: str | None = None) -> ProtocolError:

@@ -236,8 +236,7 @@ def start_speech(request: SpeechRequest, gateway: Gateway, owner: str | None) ->
                                     interactive=False,  # leaves the engine's reserved slots to conversations
                                     owner=owner)
     except VoiceError as failure:  # an unknown voice (unknown_voice), a bad language or instructions
-        param = "voice" if failure.code == "unknown_voice" else None
-        raise HTTPFailure(400, failure.code, str(failure), param) from None
+        raise HTTPFailure(400, failure.code, str(failure), failure.field) from None
     speech = gateway.speech_context(template, "none", 0, request.lexicon, READ_AHEAD if request.stream else None)
     speech.append(request.text)
     speech.end()

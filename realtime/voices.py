@@ -59,11 +59,11 @@ class CloneVoice:
 
 class VoiceError(Exception):
     """A voice the client cannot have: `code` is the protocol's error code for a message's field (`unknown_voice`,
-    `invalid_message`; `session.start` answers a bad setting with `invalid_config`)."""
+    `invalid_message`; `session.start` answers a bad setting with `invalid_config`), `field` that field."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, field: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.field = code, field
 
 
 class VoiceCatalog:
@@ -208,7 +208,7 @@ class VoiceCatalog:
         try:
             return self.tts.resolve_language(language)
         except RequestError as failure:
-            raise VoiceError("invalid_message", str(failure)) from None
+            raise VoiceError("invalid_message", str(failure), "language") from None
 
     def _key(self, voice_id: str) -> str:
         return voice_id.lower() if self.variant == "custom_voice" else voice_id
@@ -223,21 +223,24 @@ class VoiceCatalog:
         """The engine voice for `voice_id` (None: the default) with optional instructions; raises VoiceError."""
         voice_id = voice_id or self.default
         if voice_id is None:
-            raise VoiceError("unknown_voice", "this Base model has no voice yet: POST /v1/audio/voices clones one")
+            raise VoiceError("unknown_voice", "this Base model has no voice yet: POST /v1/audio/voices clones one",
+                             "voice")
         key = self._key(voice_id)
         if not self.has(voice_id):
-            raise VoiceError("unknown_voice", self._unknown(voice_id))
+            raise VoiceError("unknown_voice", self._unknown(voice_id), "voice")
         instructions = (instructions or "").strip() or None
         if key in self._stored:
             if instructions is not None:
                 raise VoiceError("invalid_message", f"the stored voice {key!r} does not take instructions (a "
-                                                    "designed voice keeps the instruction it was saved with)")
+                                                    "designed voice keeps the instruction it was saved with)",
+                                 "instructions")
             return self._stored[key][1]
         if self.variant == "voice_design" and instructions is None:
-            raise VoiceError("invalid_message", "the VoiceDesign model needs `instructions` describing the voice")
+            raise VoiceError("invalid_message", "the VoiceDesign model needs `instructions` describing the voice",
+                             "instructions")
         if self.variant == "base":
             if instructions is not None:
-                raise VoiceError("invalid_message", "a cloned voice does not take instructions")
+                raise VoiceError("invalid_message", "a cloned voice does not take instructions", "instructions")
             return self._clones[key]
         cached = self._described.get((key, instructions))
         if cached is not None:
@@ -246,7 +249,7 @@ class VoiceCatalog:
             voice = self.tts.voice(VoiceRequest(speaker=key if self.variant == "custom_voice" else None,
                                                 instruct=instructions))
         except RequestError as failure:
-            raise VoiceError("invalid_message", str(failure)) from None
+            raise VoiceError("invalid_message", str(failure), "instructions") from None
         self._described.put((key, instructions), voice)
         return voice
 

@@ -9,6 +9,7 @@ import json
 import re
 from types import SimpleNamespace
 
+import httpx
 import openai
 import pytest
 from hypothesis import given, settings
@@ -128,6 +129,19 @@ def test_a_bad_language_is_a_bad_field_of_the_body(client, language):
     with pytest.raises(openai.BadRequestError) as refused:
         client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, extra_body={"language": language})
     assert refused.value.code == "invalid_message" and "language" in refused.value.message.lower()
+    assert refused.value.param == "language"  # hostile try 14: null
+
+
+@pytest.mark.parametrize("field", ["input", "voice", "instructions", "language", "response_format"])
+def test_a_lone_surrogate_names_its_field(server, field):
+    """A string that is not valid Unicode (JSON can carry one; OpenAI's SDK cannot send it) is refused naming the
+    body field it is in (`param`), as every other bad field."""
+    body = json.dumps({"model": "tts-1", "voice": "vivian", "input": TEXT, field: "ok \ud800"})
+    response = httpx.post(server.http + "/v1/audio/speech", content=body,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "invalid_message", error
+    assert "lone surrogate" in error["message"] and error["param"] == field, error
 
 
 def test_every_openai_voice_maps_onto_a_voice_the_model_has(server, tiny_checkpoints):

@@ -52,6 +52,7 @@ class ProtocolError(Exception):
         super().__init__(message)
         self.code, self.message, self.fatal, self.context_id = code, message, fatal, context_id
         self.event_id = event_id  # the client message's, echoed on the error
+        self.field: str | None = None  # the message's top-level field at fault, where one is (HTTP's `param`)
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,12 @@ def _find_surrogate(value: Any, code: str, path: str = "message") -> None:
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_text(key, f"{path} key", code)
-            _find_surrogate(item, code, key[:MAX_NAME_CHARS] if path == "message" else f"{path}.{key[:40]}")
+            try:
+                _find_surrogate(item, code, key[:MAX_NAME_CHARS] if path == "message" else f"{path}.{key[:40]}")
+            except ProtocolError as failure:
+                if path == "message":
+                    failure.field = key
+                raise
     elif isinstance(value, list):
         for item in value:
             _find_surrogate(item, code, f"{path}[]")
