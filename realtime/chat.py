@@ -168,6 +168,7 @@ class ChatSocket:
         await self._send(event("chat.done", id=request.id, text=reply, reason=reason))
 
     async def _error(self, failure: ProtocolError, request_id: str | None = None) -> None:
+        self.gateway.metrics.socket.error(failure.code)  # counted as every error the server sends
         await self._send(event("error", code=failure.code, message=failure.message, id=request_id,
                                fatal=failure.fatal))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 from websockets.asyncio.client import connect
@@ -266,7 +267,10 @@ def test_a_request_into_the_running_turns_context_ends_that_turn_and_is_refused(
      '"messages": [{"role": "user", "content": "hi"}]}', "session_not_found", "x"),
 ])
 def test_bad_chat_messages_get_their_error_and_the_socket_goes_on(server, message, code, request_id):
-    """Each bad message gets its error, naming the request it refuses once the message is a well-formed request."""
+    """Each bad message gets its error, naming the request it refuses once the message is a well-formed request;
+    each is counted in voxgate_errors_total, as every error the server sends (they were not)."""
+    counted_before = _errors_counted(server, code)
+
     async def go():
         async with connect(chat_url(server)) as chat:
             await chat.recv()
@@ -278,6 +282,13 @@ def test_bad_chat_messages_get_their_error_and_the_socket_goes_on(server, messag
             await chat.send("{}")
             assert json.loads(await chat.recv())["code"] == "invalid_message"
     asyncio.run(go())
+    assert _errors_counted(server, code) == counted_before + (2 if code == "invalid_message" else 1)
+
+
+def _errors_counted(server, code: str) -> float:
+    exposition = server.get("/metrics")[1].decode()
+    counted = re.search(r'voxgate_errors_total\{code="%s",transport="ws"\} (\S+)' % code, exposition)
+    return float(counted[1]) if counted else 0.0
 
 
 def test_a_chat_socket_speaks_only_into_sessions_of_its_own_key(server):
