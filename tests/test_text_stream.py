@@ -134,18 +134,21 @@ def test_cleanup_rules():
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.lists(st.sampled_from(["42.", "1)", "7", ".", " ", "\t", "\n", "\r\n", "Dial", "- ", "# "]),
-                     max_size=12).map("".join), cut=st.integers(0, 40))
-def test_a_number_ends_a_line_as_itself_and_marks_one_only_before_more(text, cut):
+@given(text=st.lists(st.sampled_from(["42.", "1)", "7", ".", " ", "\t", "\u00a0", "\n", "\r\n", "Dial", "- ", "# "]),
+                     max_size=12).map("".join), cut=st.integers(0, 40), settle=st.booleans())
+def test_a_number_ends_a_line_as_itself_and_marks_one_only_before_more(text, cut, settle):
     """A hostile try: "42." alone was refused as empty text, and "Dial\n911." lost its number, both read as list
-    markers. A number marker is one only where a space or tab follows it on its line; otherwise it is read. Cut
-    anywhere, the text cleans as the whole does."""
+    markers. A number at a line's start is a marker only where more text follows it on its line; otherwise it is
+    read. Cut anywhere, and with a pause at the cut (settle), the text cleans as the whole does: a number the pause
+    cannot tell waits."""
     from engine.text.cleanup import StreamingCleanup, clean_text
 
     cleanup = StreamingCleanup()
     cleaned = clean_text(text)
-    assert cleanup.append(text[:cut]) + cleanup.append(text[cut:]) + cleanup.finish() == cleaned
-    assert clean_text("42.") == "42." and clean_text("Dial\n911.") == "Dial\n911." and clean_text("7)\n") == "7)\n"
+    first = cleanup.append(text[:cut]) + (cleanup.settle() if settle else "")
+    assert first + cleanup.append(text[cut:]) + cleanup.finish() == cleaned
+    assert clean_text("42.") == "42." and clean_text("42. ") == "42. " and clean_text("7)\n") == "7)\n"
+    assert clean_text("Dial\n911. \nnow") == "Dial\n911. \nnow"
     assert clean_text("1. Go there\n2.\tthen here") == "Go there\nthen here"
 
 

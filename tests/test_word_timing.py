@@ -54,7 +54,7 @@ def test_heard_text_is_the_text_up_to_the_last_word_half_played():
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(st.sampled_from(list("你好世界，。！ab ,.?-*")), max_size=30), data=st.data())
+@given(text=st.text(st.sampled_from(list("你好世界，。！ab ,.?-*1\n")), max_size=30), data=st.data())
 def test_words_and_their_times_are_the_same_however_the_text_arrives(text, data):
     """A word is timed once the character after it is in: a CJK character waits too, so that the punctuation after
     it joins it whether or not it came in the same append."""
@@ -91,6 +91,11 @@ def test_words_are_the_words_the_model_is_given():
     assert host.end_s - host.start_s == pytest.approx(nominal_duration_s("example.com"))
     assert [w.text for w in WordTimeline().add(0, "Call 1. then 2) now", final=True, audio_end_s=0.0)] == [
         "Call", "1.", "then", "2", "now"]  # markers only where they start a line (parentheses at edges go)
+    timeline = WordTimeline()  # a number at a line's start waits for what follows it there, as the clean-up does
+    assert [w.text for w in timeline.add(0, "Steps:\n3. ", final=False, audio_end_s=0.0)] == ["Steps:"]
+    assert [w.text for w in timeline.add(0, "Install it", final=True, audio_end_s=0.0)] == ["Install", "it"]
+    assert [w.text for w in WordTimeline().add(0, "Dial\n911. \nnow", final=True, audio_end_s=0.0)] == [
+        "Dial", "911.", "now"]
 
 
 def test_each_utterance_is_cleaned_from_a_lines_start_as_the_engine_cleans_it_and_raw_text_stays_raw():

@@ -4,7 +4,7 @@ The rules (each applies to whitespace-separated words, so text that arrives in p
 whole text would be; `StreamingCleanup` releases text only up to its last whitespace):
 - at the start of a line: heading marks (`#` .. `######`), list markers (`-`, `*`, `+`, `1.`, `1)`), quote marks
   (`>`) and code fences (```` ``` ```` with or without a language) are dropped; the code inside a fence is kept; a
-  number marker is one only where a space or tab follows it (`42.` alone on its line, or ending the text, is read);
+  number marker (`1.`, `1)`) is one only where more text follows it on its line (`42.` alone on its line is read);
 - emphasis and code marks (`*`, `_`, `~`, `` ` ``) at the start or end of a word are dropped (`**bold**,` becomes
   `bold,`); inside a word they stay (`snake_case`, `2*3`);
 - links `[text](url)` keep their text; a bare URL (`http://`, `https://`, `www.`) is read as its host name
@@ -38,9 +38,9 @@ def speakable(text: str) -> bool:
     return _LETTER_OR_DIGIT.search(text) is not None
 
 
-def clean_word(word: str, line_start: bool, followed_by: str = " ") -> str:
-    """One word as it is spoken; `followed_by`: the character after it ("" at the text's end)."""
-    if line_start and _is_line_marker(word, followed_by):
+def clean_word(word: str, line_start: bool, more_on_line: bool = True) -> str:
+    """One word as it is spoken; `more_on_line`: more text follows it on its line (for a number marker)."""
+    if line_start and _is_line_marker(word, more_on_line):
         return ""
     word = _INVISIBLE.sub("", _EMOJI.sub("", word))
     word = _LINK_TARGET.sub("", word).replace("[", "").replace("]", "")
@@ -50,11 +50,15 @@ def clean_word(word: str, line_start: bool, followed_by: str = " ") -> str:
     return _without_edge_marks(word)
 
 
-def _is_line_marker(word: str, followed_by: str) -> bool:
-    """A line-start word that marks up its line; a number marker only before more on its line (one character
-    decides, so text in pieces is read as the whole: `StreamingCleanup` holds a word until whitespace follows)."""
-    return _LINE_MARKER.fullmatch(word) is not None and (
-        followed_by in (" ", "\t") or _NUMBER_MARKER.fullmatch(word) is None)
+def _is_line_marker(word: str, more_on_line: bool) -> bool:
+    """A line-start word that marks up its line; a number marker only before more text on its line."""
+    return _LINE_MARKER.fullmatch(word) is not None and (more_on_line or not is_number_marker(word))
+
+
+def is_number_marker(word: str) -> bool:
+    """A word that is a list marker at a line's start only if more text follows it there: which is told only once
+    that text, or the line's end, has come (`StreamingCleanup` holds it until then)."""
+    return _NUMBER_MARKER.fullmatch(word) is not None
 
 
 def _without_edge_marks(word: str) -> str:
@@ -84,17 +88,24 @@ class StreamingCleanup:
         self._dropped = False  # the last word was emptied: its following spaces go too
 
     def append(self, text: str) -> str:
-        """Add text; returns the cleaned text up to its last whitespace."""
+        """Add text; returns the cleaned text up to its last whitespace (a number at a line's start with only spaces
+        after it so far waits for what follows)."""
         self._held += text
         cut = max(self._held.rfind(c) for c in " \t\r\n\f\v") + 1 if self._held.strip() else 0
         done, self._held = self._held[:cut], self._held[cut:]
-        return self._clean(done)
+        return self._clean(done, final=False)
+
+    def settle(self) -> str:
+        """The text has paused: everything held, read as at the end, but for a number at a line's start that more
+        text may still make a list marker (it waits)."""
+        done, self._held = self._held, ""
+        return self._clean(done, final=False)
 
     def finish(self) -> str:
         done, self._held = self._held, ""
-        return self._clean(done)
+        return self._clean(done, final=True)
 
-    def _clean(self, text: str) -> str:
+    def _clean(self, text: str, final: bool) -> str:
         out = []
         parts = [part for part in _WORDS.split(text) if part]
         for index, part in enumerate(parts):
@@ -105,16 +116,26 @@ class StreamingCleanup:
                 elif not self._dropped:
                     out.append(part)
                 continue
-            cleaned = self.word(part, parts[index + 1][0] if index + 1 < len(parts) else "")
+            after = parts[index + 1] if index + 1 < len(parts) else ""
+            more_on_line = "\n" not in after and index + 2 < len(parts)
+            if not final and not more_on_line and "\n" not in after and self.waits(part):
+                self._held = "".join(parts[index:]) + self._held  # told by what comes next
+                break
+            cleaned = self.word(part, more_on_line)
             self._dropped = not cleaned
             out.append(cleaned)
         return "".join(out)
 
-    def word(self, word: str, followed_by: str) -> str:
-        """One word (no whitespace in it) as it is spoken, given the words before it on its line and the character
-        after it ("" at the text's end): a list marker is dropped only where it starts its line; one marker a line."""
-        cleaned = clean_word(word, self._line_start, followed_by)
-        marker = self._line_start and _is_line_marker(word, followed_by)
+    def waits(self, word: str) -> bool:
+        """Whether this word, next on its line, is read only once it is known whether more text follows it there:
+        a number at a line's start."""
+        return self._line_start and is_number_marker(word)
+
+    def word(self, word: str, more_on_line: bool) -> str:
+        """One word (no whitespace in it) as it is spoken, given the words before it on its line and whether more
+        text follows it there: a list marker is dropped only where it starts its line; one marker a line."""
+        cleaned = clean_word(word, self._line_start, more_on_line)
+        marker = self._line_start and _is_line_marker(word, more_on_line)
         self._line_start = self._line_start and not cleaned and not marker
         return cleaned
 

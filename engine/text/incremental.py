@@ -104,7 +104,7 @@ class TextFeed:
         (`IncrementalTokenizer.settle`)."""
         if not self.ended:
             if self._cleanup:
-                self.ids += self._tokens.append(self._cleanup.finish())
+                self.ids += self._tokens.append(self._cleanup.settle())
             self.ids += self._tokens.settle()
 
     def end(self) -> None:

@@ -20,6 +20,7 @@ _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 # non-space characters: either way a word keeps the punctuation after it
 _TOKEN = re.compile(f"[{_CJK}][^\\w\\s{_CJK}]*|[^\\s{_CJK}]+")
 _SPOKEN = re.compile(r"\w")
+_LINE_SPACES = re.compile(r"[^\S\n]*")
 _MARKUP = "*_#`~>|[](){}\"'"  # stripped from a word's edges (not read out)
 
 CJK_CHAR_S = 0.22
@@ -68,9 +69,12 @@ class WordTimeline:
                 break
             if "\n" in self.text[self._untimed_from:token.start()]:
                 self._spoken.line_break()
+            more_on_line = self._more_on_line(token.end())
+            if self.clean_text and more_on_line is None and not final and self._spoken.waits(token.group()):
+                break  # a number at a line's start: a list marker only if more text comes on its line
             self._untimed_from = token.end()
-            after = self.text[token.end():token.end() + 1]
-            word = (self._spoken.word(token.group(), after) if self.clean_text else token.group()).strip(_MARKUP)
+            word = (self._spoken.word(token.group(), bool(more_on_line)) if self.clean_text
+                    else token.group()).strip(_MARKUP)
             if _SPOKEN.search(word):
                 start = max(self._cursor_s, audio_end_s)
                 end = start + nominal_duration_s(word)
@@ -80,6 +84,14 @@ class WordTimeline:
                 self._cursor_s += PAUSES_S.get(word[-1], 0.0)
         self.words += timed
         return timed
+
+    def _more_on_line(self, end: int) -> bool | None:
+        """Whether more text follows the token ending at `end` on its line, as the clean-up tells it of a
+        whitespace-separated word; None while only spaces have come after it."""
+        if end < len(self.text) and not self.text[end].isspace():
+            return False  # glued to what follows (CJK): the clean-up's word is longer than this token
+        gap = _LINE_SPACES.match(self.text, end).end()
+        return None if gap == len(self.text) else self.text[gap] != "\n"
 
     def heard_text(self, played_s: float) -> str:
         """The text up to the last word whose middle had been played."""
