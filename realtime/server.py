@@ -275,28 +275,30 @@ LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi", "voxgat
 
 
 # a parameter's name stops at the next separator (`?` too), so the names tried from each separator never overlap and
-# a line costs linear time: a name that could run on over later `?` made "?" * 15,000 take seconds of the event loop.
-# A value runs to the next `&`, `#` or space, as the query is parsed; a `;` or quote ends it only where another
-# parameter's `name=` follows (a key holding `;` or `'` was logged from there on: a hostile try)
-_QUERY_PARAM = re.compile(r"([?&;])([^=&;?#\s\"']*)=((?:[^&#\s;\"']|[;\"'](?![^=&#\s;?\"']*=))*)")
+# a line costs linear time: a name that could run on over later `?` made "?" * 15,000 take seconds of the event loop
+_PARAM_NAME = re.compile(r"([?&;])([^=&;?#\s\"']*)=")
+# a secret's value runs to the next `&` or space, as the query parser reads it (a key may hold `;`, `#` or quotes:
+# stopping there logged the rest of it, a hostile try)
+_SECRET_VALUE = re.compile(r"[^&\s]*")
 
 
 def redact(text: str) -> str:
     """`text` with the value of every query parameter named like a secret (SECRET_NAMES: `token`, `api_key`,
     `password`, `auth`, ..., percent-encoded or not) replaced: uvicorn logs each request's path with its query
-    string, and a client may put its key where the API does not read it."""
-    return _QUERY_PARAM.sub(_redact_parameter, text)
+    string, and a client may put its key where the API does not read it. One pass: a name is looked for after the
+    last one, or after the redacted value."""
+    pieces, kept_from, position = [], 0, 0
+    while (name := _PARAM_NAME.search(text, position)) is not None:
+        position = name.end()
+        if unquote_plus(name[2]).lower().endswith(SECRET_NAMES):
+            pieces += [text[kept_from:position], "[redacted]"]
+            kept_from = position = _SECRET_VALUE.match(text, position).end()
+    return "".join(pieces) + text[kept_from:]
 
 
 # a query parameter whose name ends with one of these holds a secret (`token`, `api_key`, `client_secret`, `passwd`)
 SECRET_NAMES = ("token", "key", "secret", "password", "passwd", "auth", "authorization", "bearer", "signature",
                 "credential", "credentials")
-
-
-def _redact_parameter(match: re.Match[str]) -> str:
-    if unquote_plus(match[2]).lower().endswith(SECRET_NAMES):
-        return f"{match[1]}{match[2]}=[redacted]"
-    return match[0]
 
 
 MAX_LOGGED_ARGUMENT = 1000  # characters of one logged value (a request's path and query): a 70 KB query was one line
