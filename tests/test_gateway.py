@@ -569,6 +569,9 @@ def test_a_session_start_field_with_a_lone_surrogate_is_refused_alone(server, wh
         assert started["event_id"] == "s"
         expected_encoding = "opus" if name == "audio" else "mulaw"  # the broken field alone kept its old value
         assert started["audio"]["encoding"] == expected_encoding, started
+        await conn.ws.send(json.dumps({**message, "unknown": broken}))  # a field no setting reads: the message is bad
+        error = (await conn.until(lambda e: e["type"] in ("error", "session.started")))[-1]
+        assert error["type"] == "error" and error["code"] == "invalid_message" and error["event_id"] == "s", error
         await conn.ws.close()
     run(go())
 

@@ -234,7 +234,7 @@ def _find_surrogate(value: Any, code: str, path: str = "message") -> None:
                 _find_surrogate(item, code, key[:MAX_NAME_CHARS] if path == "message" else f"{path}.{key[:40]}")
             except ProtocolError as failure:
                 if path == "message":
-                    failure.field = key
+                    failure.field = key[:MAX_NAME_CHARS]
                 raise
     elif isinstance(value, list):
         for item in value:
@@ -324,9 +324,9 @@ def check_message(message: Any, schemas: dict[str, dict[str, tuple[tuple[type, .
     event_id = _event_id(message)
     try:
         if check_unicode:
-            # a session.start's field values are checked where each applies, a bad one refused alone (`configure`)
-            _check_unicode(dict.fromkeys(message) if message.get("type") == "session.start" else message,
-                           "invalid_message")
+            # a session.start's fields are checked where each applies, a bad one refused alone (`configure`)
+            _check_unicode({key: None if key in SESSION_START_FIELDS else value for key, value in message.items()}
+                           if message.get("type") == "session.start" else message, "invalid_message")
         _check_fields(message, schemas)
     except ProtocolError as failure:
         failure.event_id = event_id
