@@ -143,8 +143,8 @@ class GuardedH11Protocol(H11Protocol):
         self.max_connections = max_connections
         self._headers_deadline: asyncio.TimerHandle | None = None
         self._body_deadline: asyncio.TimerHandle | None = None
-        self._body_since: float | None = None  # when the body being read began
-        self._body_cycle: Any = None  # the request it belongs to
+        self._body_since = 0.0  # when the body being read began
+        self._body_cycle: Any = None  # the request it belongs to (uvicorn's cycle: a new one for each request)
         self._body_bytes = 0  # bytes received since then (from the chunk it began in)
         self._upgraded = False  # the socket belongs to the WebSocket protocol now
         self.lingering = False  # answered and closing: the rest of the request's body is read and dropped
@@ -292,13 +292,13 @@ class GuardedH11Protocol(H11Protocol):
         # an upgrade's request never reaches its end in h11 (its state stays SEND_BODY): the WebSocket protocol owns
         # the socket, and a timer here closed every session BODY_STALL_S after its handshake
         if self.conn.their_state is not h11.SEND_BODY or self._upgraded or self.transport.is_closing():
-            self._body_since, self._body_bytes = None, 0  # the next chunk, the next request's head included, counts
+            self._body_bytes = 0  # the next chunk, the next request's head included, counts
             return
         now = self.loop.time()
         if self.flow.read_paused:  # the server's own pause is not the client's pace
             self._body_since, self._body_bytes = now, 0
-        elif self._body_since is None or self._body_cycle is not self.cycle:  # a new request's body (kept alive or
-            self._body_since, self._body_cycle = now, self.cycle               # pipelined behind the last one)
+        elif self._body_cycle is not self.cycle:  # a new request's body (kept alive or pipelined behind the last)
+            self._body_since, self._body_cycle = now, self.cycle
         elif now - self._body_since > BODY_GRACE_S and self._body_bytes < MIN_BODY_RATE * (now - self._body_since):
             self._body_stalled()
             return

@@ -116,9 +116,9 @@ class StreamingCleanup:
                 elif not self._dropped:
                     out.append(part)
                 continue
-            after = parts[index + 1] if index + 1 < len(parts) else ""
-            more_on_line = "\n" not in after and index + 2 < len(parts)
-            if not final and not more_on_line and "\n" not in after and self.waits(part):
+            line_ends = index + 1 < len(parts) and "\n" in parts[index + 1]
+            more_on_line = not line_ends and index + 2 < len(parts)
+            if not (final or line_ends or more_on_line) and self.waits(part):
                 self._held = "".join(parts[index:]) + self._held  # told by what comes next
                 break
             cleaned = self.word(part, more_on_line)
