@@ -6,12 +6,14 @@ one text vector per generated frame, then `tts_pad` forever.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import ModelConfig
 from engine.model.talker import Talker
+from engine.transfer import upload
 
 TEXT_LAYOUTS = ("prefill", "streaming")
 
@@ -53,13 +55,25 @@ def language_id(config: ModelConfig, language: str, speaker: str | None) -> int 
     return lang_id
 
 
+PREFIXES_KEPT = 64  # voices (with their instruction, language and role) whose prompt prefix is kept
+
+
 class PromptBuilder:
+    """Builds prompts; what every prompt of a voice shares (the special tokens' text vectors, the prefix of
+    instruction, role and codec tags) is computed once and kept, so that a burst of new requests costs a few small
+    kernels each (docs/benchmarks.md, "Where a burst's time goes"). A kept prefix is the very tensor a new build
+    would compute: the same kernels on the same inputs."""
+
     def __init__(self, config: ModelConfig, talker: Talker) -> None:
         self.config = config
         self.talker = talker
+        self._special: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # key -> (the voice's x-vector it was built from, or None; the prefix pieces; C(codec_bos))
+        self._prefixes: OrderedDict[tuple, tuple[torch.Tensor | None, list[torch.Tensor], torch.Tensor]] = \
+            OrderedDict()
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long, device=self.talker.codec_head.weight.device)
+        return upload(torch.tensor(ids, dtype=torch.long), self.talker.codec_head.weight.device)
 
     def text(self, ids: list[int]) -> torch.Tensor:
         return self.talker.text_embed(self._ids(ids))
@@ -70,8 +84,10 @@ class PromptBuilder:
     def build(self, voice: Voice, role_ids: list[int], text_ids: list[int], instruct_ids: list[int] | None,
               language: str, layout: str) -> Prompt:
         cfg = self.config
-        bos_t, eos_t, pad_t = self.text([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
-        prefix, codec_bos = self._prefix(voice, role_ids, instruct_ids, language, bos_t, pad_t)
+        if self._special is None:
+            self._special = self.text([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]).unbind()
+        bos_t, eos_t, pad_t = self._special
+        prefix, codec_bos = self._kept_prefix(voice, role_ids, instruct_ids, language, bos_t, pad_t)
         if voice.ref_codes is not None:
             body, trailing, trailing_ids = self._icl(voice, text_ids, codec_bos, eos_t, pad_t, layout)
         elif layout == "streaming":
@@ -84,6 +100,23 @@ class PromptBuilder:
             trailing_ids, trailing = [], _no_text(pad_t)
         return Prompt(prefill=torch.cat([*prefix, body]), trailing_text=trailing, pad=pad_t,
                       trailing_ids=trailing_ids, pad_id=cfg.tts_pad_token_id)
+
+    def _kept_prefix(self, voice: Voice, role_ids: list[int], instruct_ids: list[int] | None, language: str,
+                     bos_t: torch.Tensor, pad_t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`_prefix`, kept per voice. An x-vector is told by identity: its entry holds the tensor, so the key's id
+        cannot name another while the entry lives."""
+        xvector = voice.xvector
+        key = (voice.speaker, tuple(role_ids), None if instruct_ids is None else tuple(instruct_ids), language,
+               None if xvector is None else id(xvector))
+        kept = self._prefixes.get(key)
+        if kept is not None:
+            self._prefixes.move_to_end(key)
+            return kept[1], kept[2]
+        prefix, codec_bos = self._prefix(voice, role_ids, instruct_ids, language, bos_t, pad_t)
+        self._prefixes[key] = (xvector, prefix, codec_bos)
+        if len(self._prefixes) > PREFIXES_KEPT:
+            self._prefixes.popitem(last=False)
+        return prefix, codec_bos
 
     def _prefix(self, voice: Voice, role_ids: list[int], instruct_ids: list[int] | None, language: str,
                 bos_t: torch.Tensor, pad_t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -24,6 +24,7 @@ import math
 import torch
 
 from engine.model.codec_decoder import CodecDecoder, DecoderState
+from engine.transfer import upload
 
 DECODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # A call of more rows than the largest graph runs as slices of it: the 256-row graphs' memory pool took 4.8 GiB of
@@ -116,7 +117,7 @@ class DecoderPool:
         The inputs go up from pinned memory, so a call queued on a side stream never waits for the host."""
         rows, frames = codes.shape[:2]
         device = self.rows.device
-        index, codes = (_upload(torch.tensor(slots), device), _upload(codes, device))
+        index, codes = (upload(torch.tensor(slots), device), upload(codes, device))
         largest = max((size for size, length in self.graphs if length == frames), default=0)
         if not largest:  # one request and one frame a call: audio however batched and chunked (module docstring)
             return torch.cat([torch.cat([self._decode(index[row:row + 1], codes[row:row + 1, frame:frame + 1])
@@ -133,7 +134,7 @@ class DecoderPool:
         """A voice-clone reference's frames [n, 16] (host) as the slot's left context, never heard: one eager call,
         the same for every request of that voice."""
         device = self.rows.device
-        self._decode(_upload(torch.tensor([slot]), device), _upload(codes[None], device))
+        self._decode(upload(torch.tensor([slot]), device), upload(codes[None], device))
 
     def _replay(self, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """The graph of the smallest bucket that holds these rows, replayed; its output, valid until the next replay
@@ -202,7 +203,3 @@ def _copy_rows(source: torch.Tensor, source_rows: torch.Tensor, target: torch.Te
         target.index_copy_(0, target_rows, source.index_select(0, source_rows))
 
 
-def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)

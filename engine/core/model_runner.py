@@ -22,6 +22,7 @@ from engine.core.step_batch import StepBatch, StepCodes
 from engine.model.talker import Talker
 from engine.reference import BatchSampling
 from engine.sampling import talker_logits_mask
+from engine.transfer import upload
 
 STEP_MODES = ("eager", "padded", "graphs")
 FRAME_PATH_ATTENTION = {"torch": "sdpa", "triton": "triton"}  # the attention each frame path runs by default
@@ -90,7 +91,7 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> None:
         """Run the prompts [P_i, H] of newly admitted requests as one batch into their slots."""
         slot_ids = [s.slot for s in seqs]
-        slot_index = torch.tensor(slot_ids, device=self.device)
+        slot_index = upload(torch.tensor(slot_ids), self.device)
         self.last_hidden[slot_index] = self.frame.prefill([s.prompt.prefill for s in seqs], slot_ids)
         self.seen[slot_index] = False
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.transfer import upload
+
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 # x [N, H] (consumed), positions [N], slots [N] -> final-normed hidden states [N, H]
@@ -76,7 +78,7 @@ class PaddedPrefill:
         index[size:size + total] = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths))
         index[size + total:2 * size] = self.scratch_slot
         index[2 * size:] = torch.tensor(lengths).cumsum(0) - 1
-        index = index.to(self.device)
+        index = upload(index, self.device)
         positions, rows, last = index[:size], index[size:2 * size], index[2 * size:]
         bucket = self.buckets.get(size)
         if bucket is None:

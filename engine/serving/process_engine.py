@@ -8,14 +8,18 @@ made it 124 times slower (docs/benchmarks.md, "Same batch, twice the step"). In 
 The child (spawned) loads the model and runs the step loop (`step_loop.py`); the parent sends it commands through a
 pipe (submit with the whole request, text, end of text, cancel) and a reader thread makes the calls the child's
 loop reports (audio, finishes, step times, a failure) on this front end. Request ids are the parent's. Submits are
-validated and counted here, with the parent's own `TTSModel`, so they raise at once as `AsyncEngine`'s do.
+validated and counted here, with the parent's own `TTSModel`, so they raise at once as `AsyncEngine`'s do. Audio
+samples travel through shared memory beside the pipe (`audio_ring.py`).
 """
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import pickle
 import queue
 import signal
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ from engine.core.engine import Engine, EngineConfig
 from engine.errors import EngineFailed, SynthesisFailed
 from engine.request import Event, Finished
 from engine.serving.async_engine import FrontEnd
+from engine.serving.audio_ring import AudioRing
 from engine.serving.heap import freeze_long_lived
 from engine.serving.step_loop import Command, StepLoop
 from engine.tts import TTSModel
@@ -57,6 +62,7 @@ class ProcessEngine(FrontEnd):
         self._outgoing: queue.SimpleQueue[Command | str | None] = queue.SimpleQueue()  # the loop never blocks on it
         self._conn: Connection | None = None
         self._process: multiprocessing.Process | None = None
+        self._ring: AudioRing | None = None
         self._ready = threading.Event()
 
     def start(self) -> None:
@@ -64,12 +70,14 @@ class ProcessEngine(FrontEnd):
         self._loop = asyncio.get_running_loop()
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_child_main, args=(child_conn, self.spec), name="voxgate-engine",
-                                        daemon=True)
+        self._ring = AudioRing.create()
+        self._process = context.Process(target=_child_main, args=(child_conn, self.spec, self._ring.name),
+                                        name="voxgate-engine", daemon=True)
         self._process.start()
         child_conn.close()
         threading.Thread(target=self._write, name="voxgate-engine-writer", daemon=True).start()
-        threading.Thread(target=self._read, name="voxgate-engine-reader", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="voxgate-engine-reader", daemon=True)
+        self._reader.start()
 
     async def ready(self) -> None:
         """Raises EngineFailed if the child could not build its engine."""
@@ -89,6 +97,9 @@ class ProcessEngine(FrontEnd):
             self._process.kill()
             await asyncio.to_thread(self._process.join, 5)
         self._end_open(error)
+        await asyncio.to_thread(self._reader.join, 5)  # it reads the ring until the child's end of the pipe closes
+        if not self._reader.is_alive():
+            self._ring.close()
 
     def abort(self, error: EngineFailed) -> None:
         """Fail the engine now and kill the child (a stalled step)."""
@@ -113,16 +124,19 @@ class ProcessEngine(FrontEnd):
                     self.publish([Finished(message.request_id, "error", 0, error)])
 
     def _read(self) -> None:
+        reader = MessageReader(self._conn)
         try:
             while True:
-                kind, *args = self._conn.recv()
-                if kind in FORWARDED:
-                    getattr(self, kind)(*args)
-                elif kind == "ready":
-                    self.slots = args[0]
-                    self._ready.set()
-                elif kind == "stopped":
-                    return
+                for kind, *args in reader.read():
+                    if kind == "publish":
+                        self.publish(self._ring.incoming(*args))
+                    elif kind in FORWARDED:
+                        getattr(self, kind)(*args)
+                    elif kind == "ready":
+                        self.slots = args[0]
+                        self._ready.set()
+                    elif kind == "stopped":
+                        return
         except (EOFError, OSError):
             self.failed(EngineFailed("the engine process exited"))
         except Exception as failure:  # a bug here must not leave requests waiting forever
@@ -132,9 +146,45 @@ class ProcessEngine(FrontEnd):
             self._ready.set()
 
 
+class MessageReader:
+    """A `Connection`'s messages, read in bulk: one system call takes every message already waiting. `recv` makes two
+    a message, and after each this thread needs the GIL back from the event loop, which can take the whole switch
+    interval (5 ms) while the loop is busy: at a few hundred messages a second (a step's reports and audio) the reader
+    fell behind by hundreds of ms in a burst of sessions (docs/benchmarks.md, "Where a burst's time goes"). The wire
+    format is `Connection.send`'s: a 4-byte big-endian length (-1: an 8-byte length follows), then the pickle."""
+
+    def __init__(self, conn: Connection, chunk_bytes: int = 1 << 20) -> None:
+        self.fd, self.chunk_bytes = conn.fileno(), chunk_bytes
+        self.buffer = bytearray()
+
+    def read(self) -> list:
+        """The next messages (at least one), in order; raises EOFError once the other end has closed."""
+        while not (messages := self._complete()):
+            data = os.read(self.fd, self.chunk_bytes)
+            if not data:
+                raise EOFError
+            self.buffer += data
+        return messages
+
+    def _complete(self) -> list:
+        buffer, at, messages = self.buffer, 0, []
+        while len(buffer) - at >= 4:
+            (size,), head = struct.unpack_from("!i", buffer, at), 4
+            if size == -1:
+                if len(buffer) - at < 12:
+                    break
+                (size,), head = struct.unpack_from("!Q", buffer, at + 4), 12
+            if len(buffer) - at - head < size:
+                break
+            messages.append(pickle.loads(buffer[at + head:at + head + size]))
+            at += head + size
+        del buffer[:at]
+        return messages
+
+
 # --- the child ---------------------------------------------------------------------------------------------------
 
-def _child_main(conn: Connection, spec: EngineSpec) -> None:
+def _child_main(conn: Connection, spec: EngineSpec, ring_name: str) -> None:
     # Ctrl-C or a service manager signals the whole process group: the parent drains its sessions first and then
     # stops the child itself (a "stop" message, the pipe closing, or a kill).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -153,7 +203,7 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
         torch.set_num_threads(1)
     conn.send(("ready", engine.slots))
     try:
-        StepLoop(engine, _PipeInbox(conn), _PipeOutbox(conn)).run()
+        StepLoop(engine, _PipeInbox(conn), _PipeOutbox(conn, AudioRing.attach(ring_name))).run()
         conn.send(("stopped",))
     except (EOFError, OSError):  # the parent has gone
         pass
@@ -180,13 +230,14 @@ class _PipeInbox:
 
 
 class _PipeOutbox:
-    """The step loop's reports, each sent to the parent, whose front end makes the call (`FORWARDED`)."""
+    """The step loop's reports, each sent to the parent, whose front end makes the call (`FORWARDED`); audio
+    samples go through the ring."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
+    def __init__(self, conn: Connection, ring: AudioRing) -> None:
+        self.conn, self.ring = conn, ring
 
     def publish(self, events: list[Event]) -> None:
-        self.conn.send(("publish", events))
+        self.conn.send(("publish", *self.ring.outgoing(events)))
 
     def step_started(self) -> None:
         self.conn.send(("step_started",))

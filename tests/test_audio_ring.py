@@ -1,0 +1,70 @@
+"""The engine process's audio path: the shared-memory ring gives the reader exactly what was put, a message whose
+samples would overwrite some not yet taken carries them itself, and the bulk reader of the pipe gives every message
+`Connection.send` sent, in order, however the bytes arrive."""
+import multiprocessing
+from collections import deque
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.request import AudioChunk, Finished
+from engine.serving.audio_ring import ALIGN, AudioRing, RingSlice
+from engine.serving.process_engine import MessageReader
+
+
+def padded(place: RingSlice) -> int:
+    """The bytes a message's samples take in the ring."""
+    return -(-place.count * 4 // ALIGN) * ALIGN
+
+
+@settings(max_examples=60, deadline=None)
+@given(messages=st.lists(st.lists(st.integers(0, 300), max_size=4), min_size=1, max_size=40),
+       lags=st.lists(st.integers(0, 6), min_size=1), capacity=st.sampled_from([ALIGN * 8, ALIGN * 21, ALIGN * 64]))
+def test_the_reader_gets_every_chunk_as_put_and_samples_without_room_stay_in_the_message(messages, lags, capacity):
+    parent = AudioRing.create(capacity)
+    child = AudioRing.attach(parent.name)
+    rng = np.random.default_rng(len(messages))
+    unread: deque[tuple[list, RingSlice | None, list]] = deque()
+    try:
+        for index, sizes in enumerate(messages):
+            chunks = [AudioChunk(7, n, rng.standard_normal(size).astype(np.float32)) for n, size in enumerate(sizes)]
+            events, place = child.outgoing([*chunks, Finished(7, "eos", index)])
+            if place is not None:
+                assert all(isinstance(e.samples, int) for e in events[:-1])
+                placed = [p for _, p, _ in unread if p is not None] + [place]
+                assert place.end - (placed[0].end - padded(placed[0])) <= capacity  # never more unread than it holds
+            else:  # no room beside the unread samples (or nothing to place): they go as they are
+                assert events[:-1] == chunks
+                total = sum(sizes)
+                assert not total or any(p for _, p, _ in unread) or total * 4 > capacity // 2, \
+                    "an empty ring refused a small message"
+            unread.append((events, place, chunks))
+            while len(unread) > lags[index % len(lags)]:  # the reader lags by up to a few messages
+                events, place, chunks = unread.popleft()
+                received = parent.incoming(events, place)
+                assert received[-1] == events[-1]
+                for got, sent in zip(received, chunks):
+                    assert (got.request_id, got.start_sample) == (sent.request_id, sent.start_sample)
+                    np.testing.assert_array_equal(got.samples, sent.samples)
+    finally:
+        child.close()
+        parent.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.sampled_from([0, 1, 5, 300, 20_000, 70_000]), min_size=1, max_size=12),
+       chunk=st.sampled_from([1, 7, 4096, 1 << 20]))
+def test_the_bulk_reader_gives_every_message_in_order(sizes, chunk):
+    receiving, sending = multiprocessing.Pipe()
+    sent = [("publish", index, b"x" * size) for index, size in enumerate(sizes)]
+    reader, received = MessageReader(receiving, chunk), []
+    try:
+        for message in sent:  # each one read before the next is sent: the pipe's buffer never has to hold them all
+            sending.send(message)
+            while len(received) < sent.index(message) + 1:
+                received += reader.read()
+        assert received == sent
+    finally:
+        sending.close()
+        receiving.close()
