@@ -1,0 +1,170 @@
+"""Where a context's first audio spends its time, across the gateway and the engine process (a device tool).
+
+Put this folder first on PYTHONPATH and set VOXGATE_TRACE_DIR before `voxgate serve`: as the server (and its spawned
+engine process) import their modules, a few methods are wrapped to write JSON lines of `time.monotonic()` stamps
+(one clock for every process of the machine) to `VOXGATE_TRACE_DIR/trace-PID.jsonl`. Nothing changes without the
+variable. `burst_report.py` reads them. Kinds:
+- gateway: `gw_submit` (a request sent to the engine), `gw_read` (its first audio read from the pipe),
+  `gw_dispatch` (handed to its context on the event loop), `gw_sent` (a context's first audio sent; `since`: when its
+  text started speaking, the start of its server TTFA);
+- engine process: `en_cmd` (the submit applied; `eid`: the engine's id), `en_pub` (its first audio published),
+  `en_step` (one step: its wall time, batch, admitted ids, and the seconds in admission, frame launch, the wait for
+  the codes, postprocess, decode queueing, collection and publishing).
+It wraps private methods: it is a measuring aid for one revision at a time, not an API.
+"""
+import importlib.abc
+import json
+import os
+import sys
+import threading
+import time
+
+DIRECTORY = os.environ.get("VOXGATE_TRACE_DIR")
+_lock = threading.Lock()
+_file = None
+_step: dict = {}  # the step in progress (engine process): its timings so far
+
+
+def emit(kind: str, **fields) -> None:
+    global _file
+    with _lock:
+        if _file is None:
+            os.makedirs(DIRECTORY, exist_ok=True)
+            _file = open(os.path.join(DIRECTORY, f"trace-{os.getpid()}.jsonl"), "a", buffering=1)
+        fields["k"], fields["t"] = kind, time.monotonic()
+        _file.write(json.dumps(fields) + "\n")
+
+
+def first_audio(kind: str, seen: set, request_id: int | None) -> None:
+    if request_id is not None and request_id not in seen:
+        seen.add(request_id)
+        emit(kind, rid=request_id)
+
+
+def add_time(name: str, since: float) -> None:
+    if _step:
+        _step[name] = _step.get(name, 0.0) + time.monotonic() - since
+
+
+def timed(name: str, method):
+    def run(*args, **kwargs):
+        started = time.monotonic()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            add_time(name, started)
+    return run
+
+
+def trace_front_end(module) -> None:
+    front_end = module.FrontEnd
+    submit, publish, dispatch = front_end.submit, front_end.publish, front_end._dispatch
+    read, dispatched = set(), set()
+
+    def traced_submit(self, request):
+        handle = submit(self, request)
+        emit("gw_submit", rid=handle.request_id, interactive=request.interactive)
+        return handle
+
+    def traced_publish(self, events):
+        for event in events:
+            if type(event).__name__ == "AudioChunk":
+                first_audio("gw_read", read, event.request_id)
+        return publish(self, events)
+
+    def traced_dispatch(events, handles):
+        for event in events:
+            if type(event).__name__ == "AudioChunk":
+                first_audio("gw_dispatch", dispatched, event.request_id)
+        return dispatch(events, handles)
+
+    front_end.submit, front_end.publish = traced_submit, traced_publish
+    front_end._dispatch = staticmethod(traced_dispatch)
+
+
+def trace_context_metrics(module) -> None:
+    stats = module.ContextStats
+    first_sent = stats.first_sent
+
+    def traced_first_sent(self, planner, metrics):
+        first_sent(self, planner, metrics)
+        emit("gw_sent", since=self.since(planner))
+
+    stats.first_sent = traced_first_sent
+
+
+def trace_step_loop(module) -> None:
+    loop = module.StepLoop
+    submit, publish = loop._submit, loop._publish
+    published = set()
+
+    def traced_submit(self, request_id, request):
+        submit(self, request_id, request)
+        emit("en_cmd", rid=request_id, eid=self._engine_ids.get(request_id))
+
+    def traced_publish(self, events):
+        for event in events:
+            if type(event).__name__ == "AudioChunk":
+                first_audio("en_pub", published, self._request_ids.get(event.request_id))
+        started = time.monotonic()
+        publish(self, events)
+        add_time("publish", started)
+
+    loop._submit, loop._publish = traced_submit, traced_publish
+
+
+def trace_engine(module) -> None:
+    engine = module.Engine
+    step, admit = engine.step, engine._admit
+
+    def traced_admit(self):
+        before = set(self.running)
+        admit(self)
+        _step["ids"] = [request_id for request_id in self.running if request_id not in before]
+
+    def traced_step(self, on_audio=None):
+        _step.update(batch=len(self.running), waiting=len(self.waiting))
+        started = time.monotonic()
+        try:
+            return step(self, on_audio)
+        finally:
+            _step["wall"] = time.monotonic() - started
+            emit("en_step", **_step)
+            _step.clear()
+
+    engine.step, engine._admit = traced_step, timed("admit", traced_admit)
+    engine._frames, engine._collect = timed("frames", engine._frames), timed("collect", engine._collect)
+    decoding = sys.modules["engine.core.decoding"].Decoding
+    decoding.queue = timed("queue", decoding.queue)
+    scheduler = sys.modules["engine.core.scheduler"].Scheduler
+    scheduler.postprocess = timed("post", scheduler.postprocess)
+    codes = sys.modules["engine.core.step_batch"].StepCodes
+    codes.host = timed("host", codes.host)  # the wait for the frame on the GPU
+
+
+TRACED = {"engine.serving.async_engine": trace_front_end, "realtime.ws.context_metrics": trace_context_metrics,
+          "engine.serving.step_loop": trace_step_loop, "engine.core.engine": trace_engine}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds the traced modules as the other finders do, and wraps each once it has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in TRACED:
+            return None
+        for finder in sys.meta_path:
+            if finder is not self and (spec := finder.find_spec(name, path, target)) is not None:
+                break
+        else:
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            TRACED[name](module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if DIRECTORY:
+    sys.meta_path.insert(0, _Finder())
