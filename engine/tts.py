@@ -168,6 +168,10 @@ class TTSModel:
             return Voice(xvector=xvector.to(self.device, self.dtype))
         if ref_codes.dim() != 2 or ref_codes.shape[1] != groups or not (ref_text or "").strip():
             raise RequestError(f"reference codes must be [frames, {groups}] with their transcript")
+        size = self.decoder.cfg.codebook_size
+        if ref_codes.numel() and not 0 <= int(ref_codes.min()) <= int(ref_codes.max()) < size:
+            # an index past a codebook would fault the GPU, and with it every request of the engine
+            raise RequestError(f"reference codes must be from 0 to {size - 1} (a voice made for another model?)")
         check_text("ref_text", ref_text)
         ref_text_ids = self.tokenizer.reference_text(ref_text)
         if len(ref_text_ids) > ref_codes.shape[0] + 1:  # the prompt lays the transcript over the audio's frames

@@ -528,13 +528,16 @@ def test_a_voice_that_could_never_speak_is_refused_at_upload(hostile_server, one
 
 def test_a_stored_voice_that_can_no_longer_load_is_left_out_and_the_server_starts(base_model, tmp_path, one_thread):
     """A voice an earlier version stored although it could never speak (its transcript longer than its audio's
-    frames) must not stop the server at start-up: it is left out, the other voices serve."""
+    frames), or whose codes lie past the codebooks (on a GPU each use would fault the device, failing every request),
+    must not stop the server at start-up: it is left out, the other voices serve."""
     data_dir = tmp_path / "data"
     with running_server(model=base_model, data_dir=data_dir) as server:
         assert upload(server, "good", wav(), transcript=TRANSCRIPT).status_code == 201
     store = VoiceStore.in_data_dir(data_dir, checkpoint_fingerprint(base_model))
     good = next(voice for voice in store.voices() if voice.name == "good")
     store.add(replace(good, name="wordy", transcript=" ".join(["word"] * 390), ref_codes=good.ref_codes[:2]))
+    store.add(replace(good, name="beyond", ref_codes=good.ref_codes + 4096))
+    store.add(replace(good, name="below", ref_codes=good.ref_codes - 4096))
     with running_server(model=base_model, data_dir=data_dir) as server:
         catalog = json.loads(server.get("/v1/voices")[1])
         assert [v["id"] for v in catalog["voices"]] == ["good"]
