@@ -56,6 +56,7 @@ def language_id(config: ModelConfig, language: str, speaker: str | None) -> int 
 
 
 PREFIXES_KEPT = 64  # voices (with their instruction, language and role) whose prompt prefix is kept
+PREFIX_ROWS_KEPT = 256  # the longest prefix kept (~1 MB at the 1.7B's width): at most ~64 MB in all
 
 
 class PromptBuilder:
@@ -68,9 +69,8 @@ class PromptBuilder:
         self.config = config
         self.talker = talker
         self._special: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # key -> (the voice's x-vector it was built from, or None; the prefix pieces; C(codec_bos))
-        self._prefixes: OrderedDict[tuple, tuple[torch.Tensor | None, list[torch.Tensor], torch.Tensor]] = \
-            OrderedDict()
+        # (speaker, role, instruction, language) -> the prefix pieces and C(codec_bos)
+        self._prefixes: OrderedDict[tuple, tuple[list[torch.Tensor], torch.Tensor]] = OrderedDict()
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return upload(torch.tensor(ids, dtype=torch.long), self.talker.codec_head.weight.device)
@@ -103,19 +103,21 @@ class PromptBuilder:
 
     def _kept_prefix(self, voice: Voice, role_ids: list[int], instruct_ids: list[int] | None, language: str,
                      bos_t: torch.Tensor, pad_t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """`_prefix`, kept per voice. An x-vector is told by identity: its entry holds the tensor, so the key's id
-        cannot name another while the entry lives."""
-        xvector = voice.xvector
-        key = (voice.speaker, tuple(role_ids), None if instruct_ids is None else tuple(instruct_ids), language,
-               None if xvector is None else id(xvector))
+        """`_prefix`, kept for a built-in speaker or an instruction of up to `PREFIX_ROWS_KEPT` rows. A cloned
+        voice's is built each time: its x-vector comes unpickled with every request in the engine process, so no
+        key would find it again."""
+        if voice.xvector is not None:
+            return self._prefix(voice, role_ids, instruct_ids, language, bos_t, pad_t)
+        key = (voice.speaker, tuple(role_ids), None if instruct_ids is None else tuple(instruct_ids), language)
         kept = self._prefixes.get(key)
         if kept is not None:
             self._prefixes.move_to_end(key)
-            return kept[1], kept[2]
+            return kept
         prefix, codec_bos = self._prefix(voice, role_ids, instruct_ids, language, bos_t, pad_t)
-        self._prefixes[key] = (xvector, prefix, codec_bos)
-        if len(self._prefixes) > PREFIXES_KEPT:
-            self._prefixes.popitem(last=False)
+        if sum(piece.shape[0] for piece in prefix) <= PREFIX_ROWS_KEPT:  # a long instruction is not kept
+            self._prefixes[key] = (prefix, codec_bos)
+            if len(self._prefixes) > PREFIXES_KEPT:
+                self._prefixes.popitem(last=False)
         return prefix, codec_bos
 
     def _prefix(self, voice: Voice, role_ids: list[int], instruct_ids: list[int] | None, language: str,

@@ -2,9 +2,13 @@
 samples would overwrite some not yet taken carries them itself, and the bulk reader of the pipe gives every message
 `Connection.send` sent, in order, however the bytes arrive."""
 import multiprocessing
+import os
+import pickle
+import struct
 from collections import deque
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +41,7 @@ def test_the_reader_gets_every_chunk_as_put_and_samples_without_room_stay_in_the
             else:  # no room beside the unread samples (or nothing to place): they go as they are
                 assert events[:-1] == chunks
                 total = sum(sizes)
-                assert not total or any(p for _, p, _ in unread) or total * 4 > capacity // 2, \
+                assert not total or any(p is not None for _, p, _ in unread) or total * 4 > capacity // 2, \
                     "an empty ring refused a small message"
             unread.append((events, place, chunks))
             while len(unread) > lags[index % len(lags)]:  # the reader lags by up to a few messages
@@ -67,4 +71,23 @@ def test_the_bulk_reader_gives_every_message_in_order(sizes, chunk):
         assert received == sent
     finally:
         sending.close()
+        receiving.close()
+
+
+def test_the_bulk_reader_takes_many_waiting_messages_long_headers_and_refuses_a_cut_message():
+    receiving, sending = multiprocessing.Pipe()
+    reader = MessageReader(receiving)
+    try:
+        sent = [("step_done", index, b"y" * index) for index in range(50)]  # all waiting before the first read
+        for message in sent:
+            sending.send(message)
+        assert reader.read() == sent  # one system call took them all
+        body = pickle.dumps(("publish", [], None))  # the header of a message over 2 GB: -1, then 8 bytes of length
+        os.write(sending.fileno(), struct.pack("!i", -1) + struct.pack("!Q", len(body)) + body)
+        assert reader.read() == [("publish", [], None)]
+        os.write(sending.fileno(), struct.pack("!i", 100) + b"cut short")
+        sending.close()
+        with pytest.raises(EOFError):
+            reader.read()
+    finally:
         receiving.close()

@@ -1,6 +1,7 @@
 """The engine in a child process behind AsyncEngine's API (tiny model, CPU): exactly the single-request path's audio
 (streaming text included), cancel, a refused request, and a child that dies (the gateway starts a new one)."""
 import asyncio
+import errno
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ import torch
 from engine.core.engine import EngineConfig
 from engine.errors import EmptyText, EngineFailed
 from engine.request import AudioChunk, Finished
+from engine.serving.audio_ring import AudioRing
 from engine.serving.process_engine import EngineSpec, ProcessEngine
 from engine.tts import TTSModel
 from realtime.gateway import Limits
@@ -61,6 +63,28 @@ def test_requests_and_streaming_text_give_the_single_request_audio(tts):
                                   layout="streaming" if r is streamed else None)
         assert finished.reason != "error" and finished.frames == expected.codes.shape[0]
         np.testing.assert_allclose(audio, expected.audio, atol=1e-5, rtol=0)
+
+
+def test_without_room_for_the_audio_ring_the_audio_comes_through_the_pipe(tts, monkeypatch):
+    """A /dev/shm too small for the ring (a container's 64 MB, full): the engine still serves, its audio whole."""
+    def no_room(size: int = 0) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(AudioRing, "create", no_room)
+    spoken = request(tts, "Good morning to you all.", 9, 1)
+
+    async def main():
+        engine = await started(tts, [])
+        try:
+            return await collect(engine.submit(spoken))
+        finally:
+            await engine.stop()
+
+    audio, finished = asyncio.run(main())
+    expected = tts.synthesize(spoken.text, spoken.voice, language=spoken.language, sampling=spoken.sampling,
+                              max_frames=spoken.max_frames)
+    assert finished.reason != "error"
+    np.testing.assert_allclose(audio, expected.audio, atol=1e-5, rtol=0)
 
 
 def test_cancel_a_refused_request_and_a_dead_child(tts):

@@ -1,6 +1,7 @@
 """Prompt prefixes kept per voice: every prompt equals the one a fresh builder makes, whichever voices, instructions
-and languages came before it, and a cloned voice never takes another's prefix."""
-import gc
+and languages came before it, however few prefixes are kept and however long they are, and cloned voices (never
+kept) get their own."""
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -10,10 +11,12 @@ from hypothesis import strategies as st
 from engine.prompt import PromptBuilder
 from engine.tts import TTSModel, VoiceRequest
 
+LONG = "Speak slowly and very calmly, like a late-night radio host reading the shipping forecast."
+
 
 @pytest.fixture(scope="module")
 def models(tiny_checkpoints) -> dict[str, TTSModel]:
-    return {variant: TTSModel.load(tiny_checkpoints[variant]) for variant in ("custom_voice", "base")}
+    return {variant: TTSModel.load(tiny_checkpoints[variant]) for variant in ("custom_voice", "voice_design", "base")}
 
 
 def fresh(tts: TTSModel, *args):
@@ -32,24 +35,32 @@ def assert_same(a, b) -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(requests=st.lists(st.tuples(st.sampled_from(["vivian", "ryan"]), st.sampled_from([None, "Calm.", "Loud!"]),
+@given(requests=st.lists(st.tuples(st.sampled_from(["custom_voice", "voice_design"]),
+                                   st.sampled_from(["vivian", "ryan"]), st.sampled_from([None, "Calm.", "Loud!", LONG]),
                                    st.sampled_from(["auto", "english", "chinese"]),
                                    st.lists(st.integers(1000, 5000), min_size=1, max_size=6),
-                                   st.sampled_from(["streaming", "prefill"])), min_size=1, max_size=8))
-def test_a_kept_prefix_gives_the_fresh_prompt_for_any_order_of_voices(models, requests):
-    tts = models["custom_voice"]
-    for speaker, instruct, language, ids, layout in requests:
-        voice = tts.voice(VoiceRequest(speaker=speaker, instruct=instruct))
-        assert_same(tts.prompt_from_ids(ids, voice, language, layout), fresh(tts, ids, voice, language, layout))
+                                   st.sampled_from(["streaming", "prefill"])), min_size=1, max_size=10),
+       kept=st.integers(1, 4))
+def test_a_kept_prefix_gives_the_fresh_prompt_for_any_order_of_voices(models, requests, kept):
+    for tts in models.values():
+        tts.prompts = PromptBuilder(tts.config, tts.talker)  # each example starts with nothing kept
+    with patch("engine.prompt.PREFIXES_KEPT", kept), patch("engine.prompt.PREFIX_ROWS_KEPT", 16):
+        for variant, speaker, instruct, language, ids, layout in requests:
+            tts = models[variant]
+            voice = tts.voice(VoiceRequest(speaker=speaker, instruct=instruct) if variant == "custom_voice"
+                              else VoiceRequest(instruct=instruct or "A warm voice."))
+            assert_same(tts.prompt_from_ids(ids, voice, language, layout), fresh(tts, ids, voice, language, layout))
+            assert len(tts.prompts._prefixes) <= kept
+            assert all(sum(p.shape[0] for p in prefix) <= 16 for prefix, _ in tts.prompts._prefixes.values())
 
 
-def test_cloned_voices_keep_their_own_prefix_even_when_an_id_is_reused(models):
+def test_cloned_voices_get_their_own_prefix(models):
     tts = models["base"]
     size = tts.config.speaker_encoder.enc_dim
     ids = [1200, 1300, 1400]
-    for seed in range(6):  # each x-vector dropped after use: a new one may get the old one's address
+    prompts = []
+    for seed in range(4):
         voice = tts.voice_from_parts(torch.randn(size, generator=torch.Generator().manual_seed(seed)))
-        assert_same(tts.prompt_from_ids(ids, voice, "english", "streaming"),
-                    fresh(tts, ids, voice, "english", "streaming"))
-        del voice
-        gc.collect()
+        prompts.append(tts.prompt_from_ids(ids, voice, "english", "streaming"))
+        assert_same(prompts[-1], fresh(tts, ids, voice, "english", "streaming"))
+    assert not any(torch.equal(a.prefill, b.prefill) for a, b in zip(prompts, prompts[1:]))

@@ -2,15 +2,17 @@
 
 Why: pickled through the pipe, a busy step's audio (256 streams: ~2 MB of float32 a step) is read by the parent's
 reader thread in socket-buffer pieces, each needing the parent's GIL back from its event loop, and the child's send
-waits for all of them: in a burst of sessions that was milliseconds of every step (docs/benchmarks.md, "Where a
+waits for all of them: in a burst of sessions that was 7-9 ms of every busy step (docs/benchmarks.md, "Where a
 burst's time goes"). Here the child copies a message's samples into a ring of shared memory, one after another, and
 sends where they lie (`RingSlice`) with each chunk's sample count in place of its samples; the parent's reader copies
-them out in one memcpy as it receives the message (each chunk a view of that copy) and marks them read in the ring's
-header. The child writes only over what the parent has read; when the ring is full (the parent far behind) the
-samples travel in the message as before, so nothing waits and nothing is lost.
+each chunk out as it receives the message, then marks the message read in the ring's header. The child writes only
+over what the parent has read; when the ring is full (the parent far behind) the samples travel in the message as
+before, so nothing waits and nothing is lost. A server whose /dev/shm has no room for the ring sends every message
+that way (`ProcessEngine`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -42,8 +44,16 @@ class AudioRing:
 
     @classmethod
     def create(cls, size: int = RING_BYTES) -> AudioRing:
-        """The parent's ring (it unlinks it on `close`)."""
-        ring = cls(shared_memory.SharedMemory(create=True, size=HEADER_BYTES + size), owner=True)
+        """The parent's ring. Its pages are reserved now: tmpfs allocates them on first write, and a full /dev/shm
+        (a container's 64 MB) would then kill the writer with SIGBUS; here it raises OSError instead (ENOSPC)."""
+        memory = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + size)
+        try:
+            os.posix_fallocate(memory._fd, 0, memory.size)  # noqa: SLF001 - the segment's file, POSIX only
+        except OSError:
+            memory.close()
+            memory.unlink()
+            raise
+        ring = cls(memory, owner=True)
         ring._taken[0] = 0
         return ring
 
@@ -87,27 +97,35 @@ class AudioRing:
 
     # --- the reader (the gateway's process) --------------------------------------------------------------------
 
-    def take(self, place: RingSlice) -> np.ndarray:
-        """A copy of the samples at `place`, which the writer may then reuse (slices are taken in the order put)."""
-        samples = self._data[place.offset:place.offset + place.count * 4].view(np.float32).copy()
-        self._taken[0] = place.end
-        return samples
-
     def incoming(self, events: list[Event], place: RingSlice | None) -> list[Event]:
-        """A message's events with their samples: one copy out of the ring, each chunk a view of it."""
+        """A message's events with their samples, each chunk copied out of the ring on its own (a chunk held by a
+        slow listener keeps only its own samples alive); then the ring's space is the writer's again."""
         if place is None:
             return events
-        samples, at = self.take(place), 0
         out: list[Event] = []
+        at = place.offset
         for event in events:
             if isinstance(event, AudioChunk):
-                event, at = AudioChunk(event.request_id, event.start_sample, samples[at:at + event.samples]), \
-                    at + event.samples
+                size = event.samples * 4
+                samples = self._data[at:at + size].view(np.float32).copy()
+                event, at = AudioChunk(event.request_id, event.start_sample, samples), at + size
             out.append(event)
+        self._taken[0] = place.end
         return out
 
-    def close(self) -> None:
-        self._taken = self._data = None  # the views first: the buffer cannot close under them
-        self.memory.close()
+    def unlink(self) -> None:
+        """The parent's: the ring's name goes (its memory stays mapped until `close`); once is enough."""
         if self.owner:
-            self.memory.unlink()
+            try:
+                self.memory.unlink()
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unmap the ring (the name too, for the parent): only once nothing reads it, since the arrays over it
+        would read unmapped memory; a second call does nothing."""
+        if self._data is None:
+            return
+        self._taken = self._data = None
+        self.memory.close()
+        self.unlink()

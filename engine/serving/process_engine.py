@@ -14,6 +14,7 @@ samples travel through shared memory beside the pipe (`audio_ring.py`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import pickle
@@ -37,6 +38,7 @@ from engine.serving.heap import freeze_long_lived
 from engine.serving.step_loop import Command, StepLoop
 from engine.tts import TTSModel
 
+log = logging.getLogger("voxgate")
 STOP = "stop"  # the parent's last message to the child
 FORWARDED = ("publish", "step_started", "step_done", "failed")  # the child's outbox calls, made on the front end
 
@@ -70,9 +72,12 @@ class ProcessEngine(FrontEnd):
         self._loop = asyncio.get_running_loop()
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self._ring = AudioRing.create()
-        self._process = context.Process(target=_child_main, args=(child_conn, self.spec, self._ring.name),
-                                        name="voxgate-engine", daemon=True)
+        try:
+            self._ring = AudioRing.create()
+        except OSError as error:  # no room in /dev/shm: the audio goes through the pipe, slower but whole
+            log.warning("no shared memory for the engine's audio (%s); it goes through the pipe", error)
+        self._process = context.Process(target=_child_main, name="voxgate-engine", daemon=True,
+                                        args=(child_conn, self.spec, self._ring.name if self._ring else None))
         self._process.start()
         child_conn.close()
         threading.Thread(target=self._write, name="voxgate-engine-writer", daemon=True).start()
@@ -97,9 +102,11 @@ class ProcessEngine(FrontEnd):
             self._process.kill()
             await asyncio.to_thread(self._process.join, 5)
         self._end_open(error)
-        await asyncio.to_thread(self._reader.join, 5)  # it reads the ring until the child's end of the pipe closes
-        if not self._reader.is_alive():
-            self._ring.close()
+        if self._ring is not None:
+            self._ring.unlink()  # the name at once; the memory once the reader, which reads it, has finished
+            await asyncio.to_thread(self._reader.join, 5)  # it ends when the child's end of the pipe closes
+            if not self._reader.is_alive():
+                self._ring.close()
 
     def abort(self, error: EngineFailed) -> None:
         """Fail the engine now and kill the child (a stalled step)."""
@@ -129,7 +136,8 @@ class ProcessEngine(FrontEnd):
             while True:
                 for kind, *args in reader.read():
                     if kind == "publish":
-                        self.publish(self._ring.incoming(*args))
+                        events, place = args
+                        self.publish(self._ring.incoming(events, place) if place is not None else events)
                     elif kind in FORWARDED:
                         getattr(self, kind)(*args)
                     elif kind == "ready":
@@ -184,12 +192,13 @@ class MessageReader:
 
 # --- the child ---------------------------------------------------------------------------------------------------
 
-def _child_main(conn: Connection, spec: EngineSpec, ring_name: str) -> None:
+def _child_main(conn: Connection, spec: EngineSpec, ring_name: str | None) -> None:
     # Ctrl-C or a service manager signals the whole process group: the parent drains its sessions first and then
     # stops the child itself (a "stop" message, the pipe closing, or a kill).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
+        ring = AudioRing.attach(ring_name) if ring_name is not None else None
         engine = Engine(TTSModel.load(spec.model_dir, device=spec.device, dtype=spec.dtype), spec.config)
         if spec.setup is not None:
             spec.setup(engine)
@@ -203,7 +212,7 @@ def _child_main(conn: Connection, spec: EngineSpec, ring_name: str) -> None:
         torch.set_num_threads(1)
     conn.send(("ready", engine.slots))
     try:
-        StepLoop(engine, _PipeInbox(conn), _PipeOutbox(conn, AudioRing.attach(ring_name))).run()
+        StepLoop(engine, _PipeInbox(conn), _PipeOutbox(conn, ring)).run()
         conn.send(("stopped",))
     except (EOFError, OSError):  # the parent has gone
         pass
@@ -231,13 +240,13 @@ class _PipeInbox:
 
 class _PipeOutbox:
     """The step loop's reports, each sent to the parent, whose front end makes the call (`FORWARDED`); audio
-    samples go through the ring."""
+    samples go through the ring (None: in the messages)."""
 
-    def __init__(self, conn: Connection, ring: AudioRing) -> None:
+    def __init__(self, conn: Connection, ring: AudioRing | None) -> None:
         self.conn, self.ring = conn, ring
 
     def publish(self, events: list[Event]) -> None:
-        self.conn.send(("publish", *self.ring.outgoing(events)))
+        self.conn.send(("publish", *(self.ring.outgoing(events) if self.ring is not None else (events, None))))
 
     def step_started(self) -> None:
         self.conn.send(("step_started",))
