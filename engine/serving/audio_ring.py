@@ -47,8 +47,10 @@ class AudioRing:
         """The parent's ring. Its pages are reserved now: tmpfs allocates them on first write, and a full /dev/shm
         (a container's 64 MB) would then kill the writer with SIGBUS; here it raises OSError instead (ENOSPC)."""
         memory = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + size)
+        reserve = getattr(os, "posix_fallocate", None)  # Linux (where /dev/shm is a tmpfs); not macOS
         try:
-            os.posix_fallocate(memory._fd, 0, memory.size)  # noqa: SLF001 - the segment's file, POSIX only
+            if reserve is not None:
+                reserve(memory._fd, 0, memory.size)  # noqa: SLF001 - the segment's file
         except OSError:
             memory.close()
             memory.unlink()
