@@ -1,6 +1,6 @@
 """Reads a `sitecustomize.py` trace (a folder of trace-PID.jsonl) and prints where first audio spent its time: each
-leg between the gateway and the engine process (p50 / p95 / max over the requests), the engine's steps of 100 rows
-or more (mean seconds in each part), admission per request, and the pipe reader's lag over time.
+leg from a context's text to its first audio sent, across the gateway and the engine process (p50 / p95 / max over
+the requests), the engine's steps of 100 rows or more (mean ms in each part), and admission per request.
 
 `python3 scripts/device/burst_trace/burst_report.py TRACE_DIR [TRACE_DIR ...]`
 """
@@ -11,9 +11,11 @@ import statistics
 import sys
 from pathlib import Path
 
-LEGS = [("gw_submit", "en_cmd", "submit -> engine has it"), ("en_cmd", "en_pub", "engine has it -> first audio out"),
+LEGS = [("since", "gw_submit", "text speaking -> submit"), ("gw_submit", "en_cmd", "submit -> engine has it"),
+        ("en_cmd", "en_pub", "engine has it -> first audio out"),
         ("en_pub", "gw_read", "first audio out -> read by the gateway"),
-        ("gw_read", "gw_dispatch", "read -> on the event loop"), ("gw_submit", "gw_dispatch", "submit -> on the loop")]
+        ("gw_read", "gw_dispatch", "read -> on the event loop"), ("gw_submit", "gw_dispatch", "submit -> on the loop"),
+        ("gw_dispatch", "gw_sent", "on the loop -> sent")]
 PARTS = ("wall", "admit", "frames", "host", "post", "queue", "collect", "publish")
 
 
@@ -26,8 +28,10 @@ def report(directory: Path) -> None:
     lines = [json.loads(line) for path in sorted(directory.glob("trace-*.jsonl")) for line in path.open()]
     stamps: dict[int, dict[str, float]] = {}
     for line in lines:
-        if "rid" in line:
+        if line.get("rid") is not None:
             stamps.setdefault(line["rid"], {})[line["k"]] = line["t"]
+            if "since" in line:
+                stamps[line["rid"]]["since"] = line["since"]
     print(f"== {directory}")
     ttfa = [1e3 * (line["t"] - line["since"]) for line in lines if line["k"] == "gw_sent"]
     rows = [("server TTFA (text speaking -> first audio sent)", ttfa)]

@@ -5,8 +5,8 @@ engine process) import their modules, a few methods are wrapped to write JSON li
 (one clock for every process of the machine) to `VOXGATE_TRACE_DIR/trace-PID.jsonl`. Nothing changes without the
 variable. `burst_report.py` reads them. Kinds:
 - gateway: `gw_submit` (a request sent to the engine), `gw_read` (its first audio read from the pipe),
-  `gw_dispatch` (handed to its context on the event loop), `gw_sent` (a context's first audio sent; `since`: when its
-  text started speaking, the start of its server TTFA);
+  `gw_dispatch` (handed to its context on the event loop), `gw_sent` (a context's first audio sent, with its first
+  request's id; `since`: when its text started speaking, the start of its server TTFA);
 - engine process: `en_cmd` (the submit applied; `eid`: the engine's id), `en_pub` (its first audio published),
   `en_step` (one step: its wall time, batch, admitted ids, and the seconds in admission, frame launch, the wait for
   the codes, postprocess, decode queueing, collection and publishing).
@@ -82,15 +82,17 @@ def trace_front_end(module) -> None:
     front_end._dispatch = staticmethod(traced_dispatch)
 
 
-def trace_context_metrics(module) -> None:
-    stats = module.ContextStats
-    first_sent = stats.first_sent
+def trace_contexts(module) -> None:
+    context = module.SessionContext
+    first_sent = context._first_sent
 
-    def traced_first_sent(self, planner, metrics):
-        first_sent(self, planner, metrics)
-        emit("gw_sent", since=self.since(planner))
+    def traced_first_sent(self):
+        first_sent(self)
+        request = self.speech._request  # the request of the utterance being spoken: the context's first
+        emit("gw_sent", since=self.stats.since(self.speech.planner),
+             rid=request.request_id if request is not None else None)
 
-    stats.first_sent = traced_first_sent
+    context._first_sent = traced_first_sent
 
 
 def trace_step_loop(module) -> None:
@@ -142,7 +144,7 @@ def trace_engine(module) -> None:
     codes.host = timed("host", codes.host)  # the wait for the frame on the GPU
 
 
-TRACED = {"engine.serving.async_engine": trace_front_end, "realtime.ws.context_metrics": trace_context_metrics,
+TRACED = {"engine.serving.async_engine": trace_front_end, "realtime.ws.contexts": trace_contexts,
           "engine.serving.step_loop": trace_step_loop, "engine.core.engine": trace_engine}
 
 
