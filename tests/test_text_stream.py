@@ -5,7 +5,7 @@ import re
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.text.incremental import IncrementalTokenizer, TextFeed
@@ -136,6 +136,7 @@ def test_cleanup_rules():
 @settings(max_examples=300, deadline=None)
 @given(text=st.lists(st.sampled_from(["42.", "1)", "7", ".", " ", "\t", "\u00a0", "\n", "\r\n", "Dial", "- ", "# "]),
                      max_size=12).map("".join), cut=st.integers(0, 40), settle=st.booleans())
+@example(text="42. 42.", cut=1, settle=True)  # a pause inside the marker's digits ("4", then "2. 42.")
 def test_a_number_ends_a_line_as_itself_and_marks_one_only_before_more(text, cut, settle):
     """A hostile try: "42." alone was refused as empty text, and "Dial\n911." lost its number, both read as list
     markers. A number at a line's start is a marker only where more text follows it on its line; otherwise it is

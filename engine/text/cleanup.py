@@ -20,6 +20,7 @@ import re
 
 _LINE_MARKER = re.compile(r"#{1,6}|[-*+>]|\d{1,3}[.)]|```\w*")
 _NUMBER_MARKER = re.compile(r"\d{1,3}[.)]")
+_NUMBER_START = re.compile(r"\d{1,3}")  # what a number marker may still grow from
 _MARKS = "*_~`"  # emphasis and code
 _NO_MARKS = str.maketrans("", "", _MARKS)
 # a target stops at the next bracket or parenthesis, so the targets tried from each `](` never overlap and a word
@@ -118,7 +119,8 @@ class StreamingCleanup:
                 continue
             line_ends = index + 1 < len(parts) and "\n" in parts[index + 1]
             more_on_line = not line_ends and index + 2 < len(parts)
-            if not (final or line_ends or more_on_line) and self.waits(part):
+            growing = index == len(parts) - 1  # a pause's last word: the text after it may still extend it
+            if not (final or line_ends or more_on_line) and self.waits(part, growing):
                 self._held = "".join(parts[index:]) + self._held  # told by what comes next
                 break
             cleaned = self.word(part, more_on_line)
@@ -126,10 +128,10 @@ class StreamingCleanup:
             out.append(cleaned)
         return "".join(out)
 
-    def waits(self, word: str) -> bool:
+    def waits(self, word: str, growing: bool = False) -> bool:
         """Whether this word, next on its line, is read only once it is known whether more text follows it there:
-        a number at a line's start."""
-        return self._line_start and is_number_marker(word)
+        a number at a line's start, or digits there that a word still `growing` may make one ("4" of "42.")."""
+        return self._line_start and (is_number_marker(word) or growing and _NUMBER_START.fullmatch(word) is not None)
 
     def word(self, word: str, more_on_line: bool) -> str:
         """One word (no whitespace in it) as it is spoken, given the words before it on its line and whether more
