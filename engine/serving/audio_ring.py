@@ -72,8 +72,8 @@ class AudioRing:
     # --- the writer (the engine process) -----------------------------------------------------------------------
 
     def put(self, pieces: list[np.ndarray]) -> RingSlice | None:
-        """Copy float32 pieces into the ring, one after another; None if they do not fit beside what the reader
-        has not taken."""
+        """Copy float32 pieces (at least one) into the ring, one after another; None if they do not fit beside what
+        the reader has not taken."""
         count = sum(piece.size for piece in pieces)
         padded = -(-count * 4 // ALIGN) * ALIGN
         start = self._written % self.capacity
@@ -82,8 +82,7 @@ class AudioRing:
         if padded > self.capacity or end - int(self._taken[0]) > self.capacity:
             return None
         offset = (start + skip) % self.capacity
-        if pieces:
-            np.concatenate(pieces, out=self._data[offset:offset + count * 4].view(np.float32), casting="same_kind")
+        np.concatenate(pieces, out=self._data[offset:offset + count * 4].view(np.float32), casting="same_kind")
         self._written = end
         return RingSlice(offset, count, end)
 
@@ -99,11 +98,9 @@ class AudioRing:
 
     # --- the reader (the gateway's process) --------------------------------------------------------------------
 
-    def incoming(self, events: list[Event], place: RingSlice | None) -> list[Event]:
+    def incoming(self, events: list[Event], place: RingSlice) -> list[Event]:
         """A message's events with their samples, each chunk copied out of the ring on its own (a chunk held by a
         slow listener keeps only its own samples alive); then the ring's space is the writer's again."""
-        if place is None:
-            return events
         out: list[Event] = []
         at = place.offset
         for event in events:

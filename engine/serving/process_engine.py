@@ -137,7 +137,7 @@ class ProcessEngine(FrontEnd):
                 for kind, *args in reader.read():
                     if kind == "publish":
                         events, place = args
-                        self.publish(self._ring.incoming(events, place) if place is not None else events)
+                        self.publish(events if place is None else self._ring.incoming(events, place))
                     elif kind in FORWARDED:
                         getattr(self, kind)(*args)
                     elif kind == "ready":
