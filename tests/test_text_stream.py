@@ -158,6 +158,7 @@ INVISIBLE = "\u00ad\u200b\u200c\u200e\u200f\u202a\u202e\u2060\u2064\u2066\u2069\
 
 @given(text=st.text(st.sampled_from(list(INVISIBLE + "ab *#\n.\u200d") + ["\U0001F600"]), max_size=30),
        cut=st.integers(0, 30))
+@example(text="*****\n ", cut=6)  # a dropped word, its line break, then spaces in the next piece
 def test_invisible_characters_go_and_pieces_clean_as_the_whole(text, cut):
     """Zero-width and direction characters, a soft hyphen, the BOM: none is left, and text cut anywhere is cleaned
     as the whole is."""

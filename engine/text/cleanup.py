@@ -114,6 +114,7 @@ class StreamingCleanup:
                 if "\n" in part:
                     self.line_break()
                     out.append(part[part.index("\n"):] if self._dropped else part)
+                    self._dropped = False  # the spaces after a line break start the next line: they stay
                 elif not self._dropped:
                     out.append(part)
                 continue
