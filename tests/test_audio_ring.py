@@ -1,10 +1,13 @@
 """The engine process's audio path: the shared-memory ring gives the reader exactly what was put, a message whose
 samples would overwrite some not yet taken carries them itself, and the bulk reader of the pipe gives every message
-`Connection.send` sent, in order, however the bytes arrive."""
+`Connection.send` sent, in order, however the bytes arrive; the writer's messages reach `Connection.recv` (the
+child's end) in order, however many wait for room in the pipe."""
+import asyncio
 import multiprocessing
 import os
 import pickle
 import struct
+import threading
 from collections import deque
 
 import numpy as np
@@ -14,7 +17,7 @@ from hypothesis import strategies as st
 
 from engine.request import AudioChunk, Finished
 from engine.serving.audio_ring import ALIGN, AudioRing, RingSlice
-from engine.serving.process_engine import MessageReader
+from engine.serving.process_engine import MessageReader, MessageWriter
 
 
 def padded(place: RingSlice) -> int:
@@ -67,7 +70,7 @@ def test_the_bulk_reader_gives_every_message_in_order(sizes, chunk):
         for message in sent:  # each one read before the next is sent: the pipe's buffer never has to hold them all
             sending.send(message)
             while len(received) < sent.index(message) + 1:
-                received += reader.read()
+                received += reader.feed()
         assert received == sent
     finally:
         sending.close()
@@ -81,13 +84,45 @@ def test_the_bulk_reader_takes_many_waiting_messages_long_headers_and_refuses_a_
         sent = [("step_done", index, b"y" * index) for index in range(50)]  # all waiting before the first read
         for message in sent:
             sending.send(message)
-        assert reader.read() == sent  # one system call took them all
+        assert reader.feed() == sent  # one system call took them all
         body = pickle.dumps(("publish", [], None))  # the header of a message over 2 GB: -1, then 8 bytes of length
         os.write(sending.fileno(), struct.pack("!i", -1) + struct.pack("!Q", len(body)) + body)
-        assert reader.read() == [("publish", [], None)]
+        assert reader.feed() == [("publish", [], None)]
+        os.set_blocking(receiving.fileno(), False)  # as the event loop reads it
+        assert reader.feed() == []  # nothing waiting
         os.write(sending.fileno(), struct.pack("!i", 100) + b"cut short")
+        assert reader.feed() == []  # not a whole message yet
         sending.close()
         with pytest.raises(EOFError):
-            reader.read()
+            reader.feed()
     finally:
         receiving.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.sampled_from([0, 1, 5, 300, 20_000, 70_000, 300_000]), min_size=1, max_size=12))
+def test_the_writer_sends_every_message_in_order_however_much_waits_for_room(sizes):
+    """All sent before the other end reads any: more than the socket buffer holds waits on the loop for room."""
+    sent = [("append", index, "x" * size) for index, size in enumerate(sizes)]
+    received: list = []
+
+    async def main() -> None:
+        writing, reading = multiprocessing.Pipe()
+        os.set_blocking(writing.fileno(), False)  # as the front end's end is
+        writer = MessageWriter(writing, asyncio.get_running_loop())
+        try:
+            for message in sent:
+                writer.send(message)
+            with pytest.raises(TypeError):
+                writer.send(("submit", 0, threading.Lock()))  # cannot be pickled: refused, nothing queued
+            child = threading.Thread(target=lambda: received.extend(reading.recv() for _ in sent), daemon=True)
+            child.start()
+            await asyncio.to_thread(child.join, 20)
+            assert not writer.pending
+        finally:
+            writer.close()
+            writing.close()
+            reading.close()
+
+    asyncio.run(main())
+    assert received == sent

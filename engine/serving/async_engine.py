@@ -140,11 +140,7 @@ class FrontEnd:
     # --- the step loop's outbox: called from the engine's thread, or from the reader of the engine process ---------
 
     def publish(self, events: list[Event]) -> None:
-        handles = {event.request_id: self._handles.get(event.request_id) for event in events}
-        for event in events:
-            if isinstance(event, Finished):
-                self._handles.pop(event.request_id, None)
-        self._loop.call_soon_threadsafe(self._dispatch, events, handles)
+        self._loop.call_soon_threadsafe(self._deliver, events)
 
     def step_started(self) -> None:
         self.last_step_started = time.monotonic()
@@ -165,10 +161,11 @@ class FrontEnd:
 
     # --- on the event loop ------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _dispatch(events: list[Event], handles: dict[int, RequestHandle | None]) -> None:
+    def _deliver(self, events: list[Event]) -> None:
+        """Each event to its request's handle (none once it was cancelled); a finished request is no longer open."""
         for event in events:
-            handle = handles[event.request_id]
+            handle = self._handles.pop(event.request_id, None) if isinstance(event, Finished) \
+                else self._handles.get(event.request_id)
             if handle is not None:
                 handle._deliver(event)
 

@@ -6,8 +6,9 @@ whole 5 ms switch interval. On the GPU that doubled the gateway's step at 10 ses
 made it 124 times slower (docs/benchmarks.md, "Same batch, twice the step"). In a child process nothing competes.
 
 The child (spawned) loads the model and runs the step loop (`step_loop.py`); the parent sends it commands through a
-pipe (submit with the whole request, text, end of text, cancel) and a reader thread makes the calls the child's
-loop reports (audio, finishes, step times, a failure) on this front end. Request ids are the parent's. Submits are
+pipe (submit with the whole request, text, end of text, cancel) and makes the calls that the child's loop reports
+(audio, finishes, step times, a failure) on this front end. The parent's end of the pipe is read and written on the
+event loop itself, not by threads (`MessageReader`, `MessageWriter`). Request ids are the parent's. Submits are
 validated and counted here, with the parent's own `TTSModel`, so they raise at once as `AsyncEngine`'s do. Audio
 samples travel through shared memory beside the pipe (`audio_ring.py`).
 """
@@ -18,10 +19,8 @@ import logging
 import multiprocessing
 import os
 import pickle
-import queue
 import signal
 import struct
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -61,15 +60,18 @@ class ProcessEngine(FrontEnd):
         """`tts`: the parent's model, which validates submits (the child loads its own from `spec`)."""
         super().__init__(tts, spec.config.max_batch, spec.config.max_waiting, on_step, on_failure)
         self.spec = spec
-        self._outgoing: queue.SimpleQueue[Command | str | None] = queue.SimpleQueue()  # the loop never blocks on it
         self._conn: Connection | None = None
         self._process: multiprocessing.Process | None = None
         self._ring: AudioRing | None = None
-        self._ready = threading.Event()
+        self._writer: MessageWriter | None = None
+        self._reader: MessageReader | None = None
+        self._ready: asyncio.Event | None = None
 
     def start(self) -> None:
-        """Spawn the child; `ready()` waits until its engine is built."""
+        """Spawn the child; `ready()` waits until its engine is built. Its pipe is read and written on this event
+        loop, never blocking it (see `MessageReader`)."""
         self._loop = asyncio.get_running_loop()
+        self._ready = asyncio.Event()
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         try:
@@ -80,13 +82,14 @@ class ProcessEngine(FrontEnd):
                                         args=(child_conn, self.spec, self._ring.name if self._ring else None))
         self._process.start()
         child_conn.close()
-        threading.Thread(target=self._write, name="voxgate-engine-writer", daemon=True).start()
-        self._reader = threading.Thread(target=self._read, name="voxgate-engine-reader", daemon=True)
-        self._reader.start()
+        os.set_blocking(self._conn.fileno(), False)  # this end only: the child's end of the socket pair blocks
+        self._writer = MessageWriter(self._conn, self._loop)
+        self._reader = MessageReader(self._conn)
+        self._loop.add_reader(self._conn.fileno(), self._on_readable)
 
     async def ready(self) -> None:
         """Raises EngineFailed if the child could not build its engine."""
-        await asyncio.to_thread(self._ready.wait)
+        await self._ready.wait()
         if self.error is not None:
             raise EngineFailed(f"the engine process failed: {self.error}")
 
@@ -95,18 +98,18 @@ class ProcessEngine(FrontEnd):
         if self._process is None:
             return
         error = self._stopping()
-        self._outgoing.put(STOP)
-        self._outgoing.put(None)
+        self._writer.send(STOP)
         await asyncio.to_thread(self._process.join, 10)
         if self._process.is_alive():
             self._process.kill()
             await asyncio.to_thread(self._process.join, 5)
         self._end_open(error)
-        if self._ring is not None:
-            self._ring.unlink()  # the name at once; the memory once the reader, which reads it, has finished
-            await asyncio.to_thread(self._reader.join, 5)  # it ends when the child's end of the pipe closes
-            if not self._reader.is_alive():
-                self._ring.close()
+        self._stop_reading()
+        self._writer.close()
+        if self._ring is not None:  # read on this loop alone, and no longer read: its memory can go
+            self._ring.unlink()
+            self._ring.close()
+            self._ring = None
 
     def abort(self, error: EngineFailed) -> None:
         """Fail the engine now and kill the child (a stalled step)."""
@@ -114,65 +117,126 @@ class ProcessEngine(FrontEnd):
         self._process.kill()
 
     def _send(self, command: Command) -> None:
-        self._outgoing.put(command)
-
-    # --- the writer and reader threads -------------------------------------------------------------------------
-
-    def _write(self) -> None:
-        """Sends the queued commands in order; blocks (here, not on the event loop) while the child is stepping."""
-        while (message := self._outgoing.get()) is not None:
-            try:
-                self._conn.send(message)
-            except (OSError, ValueError):  # the child is gone: the reader reports it
-                return
-            except Exception as failure:  # a request that cannot be pickled ends alone
-                if message.kind == "submit":
-                    error = SynthesisFailed(f"the request could not be sent to the engine process: {failure}")
-                    self.publish([Finished(message.request_id, "error", 0, error)])
-
-    def _read(self) -> None:
-        reader = MessageReader(self._conn)
+        """On the event loop, as every call of the front end."""
         try:
-            while True:
-                for kind, *args in reader.read():
-                    if kind == "publish":
-                        events, place = args
-                        self.publish(events if place is None else self._ring.incoming(events, place))
-                    elif kind in FORWARDED:
-                        getattr(self, kind)(*args)
-                    elif kind == "ready":
-                        self.slots = args[0]
-                        self._ready.set()
-                    elif kind == "stopped":
-                        return
+            self._writer.send(command)
+        except Exception as failure:  # a request that cannot be pickled ends alone
+            if command.kind != "submit":
+                raise
+            error = SynthesisFailed(f"the request could not be sent to the engine process: {failure}")
+            self._loop.call_soon(self._deliver, [Finished(command.request_id, "error", 0, error)])
+
+    # --- the child's messages, read on the event loop ------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        try:
+            messages = self._reader.feed()
         except (EOFError, OSError):
+            self._stop_reading()
             self.failed(EngineFailed("the engine process exited"))
+            return
         except Exception as failure:  # a bug here must not leave requests waiting forever
+            self._stop_reading()
             self.failed(EngineFailed(f"the engine reader failed: {type(failure).__name__}: {failure}"))
             self._process.kill()
-        finally:
-            self._ready.set()
+            return
+        for kind, *args in messages:
+            if kind == "publish":
+                events, place = args
+                self._deliver(events if place is None else self._ring.incoming(events, place))
+            elif kind in FORWARDED:
+                getattr(self, kind)(*args)
+            elif kind == "ready":
+                self.slots = args[0]
+                self._ready.set()
+            elif kind == "stopped":
+                self._stop_reading()
+                return
+
+    def _stop_reading(self) -> None:
+        """No more messages will be read (the child stopped or is gone): a `ready()` still waiting hears it now."""
+        if self._reader is not None:
+            self._loop.remove_reader(self._conn.fileno())
+            self._reader = None
+        self._ready.set()
+
+
+def _frame(message: object) -> bytes:
+    """A message in `Connection.send`'s wire format: a 4-byte big-endian length (-1: an 8-byte one follows), then
+    its pickle; the child reads it with `Connection.recv`."""
+    body = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+    head = struct.pack("!i", len(body)) if len(body) <= 0x7FFFFFFF else struct.pack("!iQ", -1, len(body))
+    return head + body
+
+
+class MessageWriter:
+    """Messages to the child, written on the event loop without ever blocking it: each is framed at once and the
+    frames waiting are written together once the loop's current callbacks have run (many text appends, one system
+    call); what the pipe cannot take yet waits here until it is writable. A thread that wrote them had to get the
+    GIL back from the busy loop after every write, up to the 5 ms switch interval each time."""
+
+    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
+        self.fd, self.loop = conn.fileno(), loop
+        self.pending = bytearray()
+        self.waiting_for_room = False
+        self.closed = False
+
+    def send(self, message: object) -> None:
+        """Queue a message (raises what pickling it raises; nothing is queued then)."""
+        if self.closed:
+            return
+        frame = _frame(message)
+        if not self.pending:
+            self.loop.call_soon(self._flush)
+        self.pending += frame
+
+    def close(self) -> None:
+        """Drop what is left: the child is gone."""
+        if self.waiting_for_room:
+            self.loop.remove_writer(self.fd)
+        self.pending.clear()
+        self.closed, self.waiting_for_room = True, False
+
+    def _flush(self) -> None:
+        if self.closed or not self.pending:
+            return
+        try:
+            written = os.write(self.fd, self.pending)
+        except BlockingIOError:
+            written = 0
+        except OSError:  # the child is gone: the reader reports it
+            self.close()
+            return
+        del self.pending[:written]
+        if self.pending and not self.waiting_for_room:
+            self.loop.add_writer(self.fd, self._flush)
+        elif not self.pending and self.waiting_for_room:
+            self.loop.remove_writer(self.fd)
+        self.waiting_for_room = bool(self.pending)
 
 
 class MessageReader:
-    """A `Connection`'s messages, read in bulk: one system call takes every message already waiting. `recv` makes two
-    a message, and after each this thread needs the GIL back from the event loop, which can take the whole switch
-    interval (5 ms) while the loop is busy: at a few hundred messages a second (a step's reports and audio) the reader
-    fell behind by hundreds of ms in a burst of sessions (docs/benchmarks.md, "Where a burst's time goes"). The wire
-    format is `Connection.send`'s: a 4-byte big-endian length (-1: an 8-byte length follows), then the pickle."""
+    """A `Connection`'s messages, read in bulk from its non-blocking end on the event loop: one system call takes
+    every message already waiting. A reader thread needed the GIL back from the busy loop after each read and each
+    hand-over to the loop, up to the 5 ms switch interval every time; in a burst of 256 sessions that put the first
+    audio 246 ms p95 behind its publication (docs/benchmarks.md, "Where a burst's time goes"). The wire format is
+    `Connection.send`'s (`_frame`)."""
 
     def __init__(self, conn: Connection, chunk_bytes: int = 1 << 20) -> None:
         self.fd, self.chunk_bytes = conn.fileno(), chunk_bytes
         self.buffer = bytearray()
 
-    def read(self) -> list:
-        """The next messages (at least one), in order; raises EOFError once the other end has closed."""
-        while not (messages := self._complete()):
+    def feed(self) -> list:
+        """The messages that the bytes waiting now complete, in order (none yet: []); raises EOFError once the
+        other end has closed."""
+        try:
             data = os.read(self.fd, self.chunk_bytes)
-            if not data:
-                raise EOFError
-            self.buffer += data
-        return messages
+        except BlockingIOError:
+            return []
+        if not data:
+            raise EOFError
+        self.buffer += data
+        return self._complete()
 
     def _complete(self) -> list:
         buffer, at, messages = self.buffer, 0, []

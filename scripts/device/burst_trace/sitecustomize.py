@@ -58,28 +58,37 @@ def timed(name: str, method):
 
 def trace_front_end(module) -> None:
     front_end = module.FrontEnd
-    submit, publish, dispatch = front_end.submit, front_end.publish, front_end._dispatch
-    read, dispatched = set(), set()
+    submit, deliver = front_end.submit, front_end._deliver
+    dispatched = set()
 
     def traced_submit(self, request):
         handle = submit(self, request)
         emit("gw_submit", rid=handle.request_id, interactive=request.interactive)
         return handle
 
-    def traced_publish(self, events):
-        for event in events:
-            if type(event).__name__ == "AudioChunk":
-                first_audio("gw_read", read, event.request_id)
-        return publish(self, events)
-
-    def traced_dispatch(events, handles):
+    def traced_deliver(self, events):
         for event in events:
             if type(event).__name__ == "AudioChunk":
                 first_audio("gw_dispatch", dispatched, event.request_id)
-        return dispatch(events, handles)
+        return deliver(self, events)
 
-    front_end.submit, front_end.publish = traced_submit, traced_publish
-    front_end._dispatch = staticmethod(traced_dispatch)
+    front_end.submit, front_end._deliver = traced_submit, traced_deliver
+
+
+def trace_process_engine(module) -> None:
+    reader = module.MessageReader
+    feed = reader.feed
+    read = set()
+
+    def traced_feed(self):
+        messages = feed(self)
+        for kind, *args in messages:
+            for event in args[0] if kind == "publish" else ():
+                if type(event).__name__ == "AudioChunk":
+                    first_audio("gw_read", read, event.request_id)
+        return messages
+
+    reader.feed = traced_feed
 
 
 def trace_contexts(module) -> None:
@@ -144,7 +153,8 @@ def trace_engine(module) -> None:
     codes.host = timed("host", codes.host)  # the wait for the frame on the GPU
 
 
-TRACED = {"engine.serving.async_engine": trace_front_end, "realtime.ws.contexts": trace_contexts,
+TRACED = {"engine.serving.async_engine": trace_front_end, "engine.serving.process_engine": trace_process_engine,
+          "realtime.ws.contexts": trace_contexts,
           "engine.serving.step_loop": trace_step_loop, "engine.core.engine": trace_engine}
 
 
