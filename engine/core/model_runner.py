@@ -93,7 +93,7 @@ class ModelRunner:
         slot_ids = [s.slot for s in seqs]
         slot_index = upload(torch.tensor(slot_ids), self.device)
         self.last_hidden[slot_index] = self.frame.prefill([s.prompt.prefill for s in seqs], slot_ids)
-        self.seen[slot_index] = False
+        self.seen.index_fill_(0, slot_index, False)  # `seen[slot_index] = False` waited for the GPU (a sync)
 
     def eager_step(self, batch: StepBatch) -> StepCodes:
         return StepCodes(self.step(batch.to(self.device)))
