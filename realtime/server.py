@@ -257,12 +257,28 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
         if self.state is State.OPEN:
             self.write_frame_sync(True, Opcode.TEXT, text.encode())
 
+    def _send_now(self, payload: str | bytes) -> bool:
+        """A data message written at once (held to the loop turn's end, `write_frame_sync`) when the ordinary send
+        would not wait: the connection is open, receiving goes on and the transport is not paused. An Opus stream
+        is 50 messages a second, and starlette's, uvicorn's and the legacy protocol's layers of awaits around each
+        were a large part of the gateway's loop per message (docs/benchmarks.md, "Sends past the ASGI layers").
+        False: nothing was written; the caller sends it the ordinary way, which waits for room or raises what the
+        connection's state says. Given to the session in its scope's extensions (`SEND_NOW_EXTENSION`)."""
+        if self.state is not State.OPEN or self._receiving_ended or self._paused:
+            return False
+        if isinstance(payload, str):
+            self.write_frame_sync(True, Opcode.TEXT, payload.encode())
+        else:
+            self.write_frame_sync(True, Opcode.BINARY, payload)
+        return True
+
     async def _app_then_close(self, scope: Any, receive: Any, send: Any) -> None:
         """The session, then, where it ended because nothing more could arrive (`ensure_open`), the protocol's own
         close of the connection (its close timeout bounds it) before uvicorn closes the transport: closed at once,
         a peer still sending a message over the size limit got a reset instead of the 1009 close frame on its way.
-        The session's scope carries `_write_now`."""
-        extensions = {**scope.get("extensions", {}), ws_protocol.WRITE_NOW_EXTENSION: self._write_now}
+        The session's scope carries `_write_now` and `_send_now`."""
+        extensions = {**scope.get("extensions", {}), ws_protocol.WRITE_NOW_EXTENSION: self._write_now,
+                      ws_protocol.SEND_NOW_EXTENSION: self._send_now}
         await self._session_app({**scope, "extensions": extensions}, receive, send)
         if self._receiving_ended:
             await asyncio.shield(self.close_connection_task)

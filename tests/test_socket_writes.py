@@ -1,6 +1,7 @@
 """The gateway's WebSocket protocol writes the messages of one turn of the event loop (a chunk of audio: several
-20 ms packets) to its socket together, in order, with control frames after what is held; a real uvicorn server with
-the gateway's protocol class and a real websockets client."""
+20 ms packets) to its socket together, in order, with control frames after what is held, whether they were sent
+through starlette or past it as the session's sender does (`SEND_NOW_EXTENSION`); a real uvicorn server with the
+gateway's protocol class and a real websockets client."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ import socket
 import time
 from typing import Any
 
+import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
@@ -16,9 +18,24 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK
 
 from realtime.server import MAX_HELD_BYTES, GatewayWebSocketProtocol
+from realtime.ws.protocol import SEND_NOW_EXTENSION
 from tests.gateway_server import serve_in_thread
 
 BURST = 20
+WAYS = ["asgi", "now"]
+
+
+async def send(websocket: WebSocket, payload: str | bytes, way: str, ways_taken: list[str] | None = None) -> None:
+    """`asgi`: through starlette; `now`: as the session's sender, past the ASGI layers while nothing would wait."""
+    sent_now = way == "now" and websocket.scope["extensions"][SEND_NOW_EXTENSION](payload)
+    if ways_taken is not None:
+        ways_taken.append("now" if sent_now else "asgi")  # before a send that may wait for good
+    if sent_now:
+        return
+    if isinstance(payload, bytes):
+        await websocket.send_bytes(payload)
+    else:
+        await websocket.send_text(payload)
 
 
 class CountedTransport:
@@ -48,16 +65,21 @@ def served(app: Starlette, writes: list[int], protocols: list | None = None) -> 
     return server, serve_in_thread(server)[1]
 
 
-def test_a_burst_of_messages_leaves_in_one_write_in_order_before_the_close():
+@pytest.mark.parametrize("way", WAYS)
+def test_a_burst_of_messages_leaves_in_one_write_in_order_before_the_close(way):
+    ways_taken: list[str] = []
+    after_close: list[bool] = []
+
     async def endpoint(websocket: WebSocket) -> None:
         await websocket.accept()
         await websocket.receive()
         for index in range(BURST):
-            await websocket.send_bytes(index.to_bytes(2, "big") * 30)
-        await websocket.send_text("end of burst")
+            await send(websocket, index.to_bytes(2, "big") * 30, way, ways_taken)
+        await send(websocket, "end of burst", way, ways_taken)
         await asyncio.sleep(0.05)  # a later turn: its own write
-        await websocket.send_text("later")
+        await send(websocket, "later", way, ways_taken)
         await websocket.close(1000)
+        after_close.append(websocket.scope["extensions"][SEND_NOW_EXTENSION](b"too late"))
 
     writes: list[int] = []
     server, port = served(Starlette(routes=[WebSocketRoute("/", endpoint)]), writes)
@@ -74,6 +96,9 @@ def test_a_burst_of_messages_leaves_in_one_write_in_order_before_the_close():
 
     try:
         received, code = asyncio.run(client())
+        deadline = time.monotonic() + 5
+        while not after_close and time.monotonic() < deadline:  # the endpoint goes on after the client has closed
+            time.sleep(0.01)
     finally:
         server.should_exit = True
     assert received == [index.to_bytes(2, "big") * 30 for index in range(BURST)] + ["end of burst", "later"]
@@ -82,14 +107,17 @@ def test_a_burst_of_messages_leaves_in_one_write_in_order_before_the_close():
     assert writes[0] == burst_bytes  # the burst and the text after it: one write
     assert writes[1] == 2 + len("later")
     assert len(writes) == 3  # then the close frame
+    assert ways_taken == [way] * (BURST + 2)  # nothing made a send wait: none went the long way
+    assert after_close == [False]  # once closed, nothing is written past the ASGI layers
 
 
-def test_a_peer_that_reads_nothing_still_pauses_the_sender():
+@pytest.mark.parametrize("way", WAYS)
+def test_a_peer_that_reads_nothing_still_pauses_the_sender(way):
     """Holding a turn's frames must not hide a slow peer from flow control: once the transport buffers, frames go to
     it at once and `send` waits at its high-water mark, so what waits stays in the session's send queue (where urgent
     events overtake it and a cancel drops it), not in the transport (a hostile try: 20,000 sends of 1 KB all went
     through, 17 MB in the transport buffer)."""
-    sent, buffered = [], []
+    sent, buffered, ways_taken = [], [], []
     protocols: list = []
 
     async def endpoint(websocket: WebSocket) -> None:
@@ -97,7 +125,7 @@ def test_a_peer_that_reads_nothing_still_pauses_the_sender():
 
         async def flood() -> None:
             for _ in range(5_000):
-                await websocket.send_bytes(b"x" * 1_000)
+                await send(websocket, b"x" * 1_000, way, ways_taken)
                 sent.append(1)
         task = asyncio.create_task(flood())
         await asyncio.sleep(1.5)
@@ -119,3 +147,4 @@ def test_a_peer_that_reads_nothing_still_pauses_the_sender():
         server.should_exit = True
     assert buffered and buffered[0] <= 64 * 1024 + MAX_HELD_BYTES
     assert len(sent) < 5_000
+    assert "asgi" in ways_taken  # the paused socket sent the long way, which waits

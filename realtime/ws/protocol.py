@@ -35,6 +35,9 @@ TRANSPORTS = ("binary", "json")
 # the ASGI scope extension under which the server gives a session a way to write a text message at once, past its
 # send queue (`GatewayWebSocketProtocol._write_now`): its fatal error when the peer reads nothing
 WRITE_NOW_EXTENSION = "voxgate.write_now"
+# ... and a way to send a message without the ASGI layers' awaits when nothing would make it wait
+# (`GatewayWebSocketProtocol._send_now`): the sender's path for each audio packet and event
+SEND_NOW_EXTENSION = "voxgate.send_now"
 PRESETS: dict[str, dict[str, Any]] = {
     "browser": {"audio": {"encoding": "opus", "sample_rate": MODEL_SAMPLE_RATE}},
     "twilio": {"audio": {"encoding": "mulaw", "sample_rate": 8000, "frame_ms": 20}, "transport": {"audio": "json"}},

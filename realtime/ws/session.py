@@ -24,6 +24,7 @@ from realtime.ws.protocol import (
     CLOSE_NORMAL,
     CLOSE_POLICY,
     CONTEXT_FIELDS,
+    SEND_NOW_EXTENSION,
     WRITE_NOW_EXTENSION,
     ProtocolError,
     SessionConfig,
@@ -117,13 +118,17 @@ class Session:
             await asyncio.sleep(0)
 
     async def _sender(self) -> None:
-        """Sends the outbox in order; a fatal error or a close item ends the session after it is sent."""
+        """Sends the outbox in order; a fatal error or a close item ends the session after it is sent. A message
+        goes past the ASGI layers while the socket keeps up (`SEND_NOW_EXTENSION`), through them otherwise."""
+        send_now = self.ws.scope.get("extensions", {}).get(SEND_NOW_EXTENSION)
         try:
             while True:
                 item = await self.outbox.get()
                 if item.closes:
                     return
-                if isinstance(item.payload, bytes):
+                if send_now is not None and send_now(item.payload):
+                    pass
+                elif isinstance(item.payload, bytes):
                     await self.ws.send_bytes(item.payload)
                 else:
                     await self.ws.send_text(item.payload)
