@@ -93,7 +93,7 @@ def test_a_dead_worker_fails_its_streams_and_is_replaced() -> None:
             encoder = pool.open(AudioFormat())
             await encoder.encode(speech_like(1, 2400))
             victim = pool._workers[0]
-            victim.process.send_signal(signal.SIGKILL)
+            victim.transport.send_signal(signal.SIGKILL)
             with pytest.raises(EncoderFailed, match="ended"):
                 await encoder.encode(speech_like(1, 2400))
             with pytest.raises(EncoderFailed):  # the only worker is dead: its replacement starts now
@@ -133,9 +133,9 @@ def test_workers_outlive_the_signals_a_shutdown_sends_the_process_group() -> Non
         async with running_pool(1) as pool:
             encoder = pool.open(AudioFormat("pcm_s16le"))
             await encoder.encode(speech_like(3, 480))  # the worker is up
-            assert os.getpgid(pool._workers[0].process.pid) != os.getpgrp()  # a Ctrl-C on the terminal misses it
+            assert os.getpgid(pool._workers[0].pid) != os.getpgrp()  # a Ctrl-C on the terminal misses it
             for sig in (signal.SIGINT, signal.SIGTERM):  # a service manager signals every process all the same
-                pool._workers[0].process.send_signal(sig)
+                pool._workers[0].transport.send_signal(sig)
             await asyncio.sleep(0.3)
             return await encoder.encode(speech_like(3, 960))
 

@@ -40,54 +40,92 @@ def default_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-class _Process:
-    """One worker process: its pipes, its streams' answers still due, and the task that reads them."""
+class _Process(asyncio.SubprocessProtocol):
+    """One worker process: its pipes, and its streams' answers still due. Answers are read as the pipe delivers
+    them, on the event loop's callback itself: a task between the pipe and the answers cost each chunk of audio one
+    more turn of the loop, and in a burst of sessions every turn is long (docs/benchmarks.md, "Where the rest of the
+    burst goes")."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
+    def __init__(self) -> None:
+        self.transport: asyncio.SubprocessTransport | None = None
         self.due: dict[int, deque[asyncio.Future[bytes]]] = {}  # stream -> its calls not yet answered, in order
         self.streams = 0  # open streams
         self.dead: EncoderFailed | None = None
-        self.reader = asyncio.get_running_loop().create_task(self._read())
+        self._received = bytearray()
+        self._room = asyncio.Event()  # the pipe to the worker takes more (cleared while its buffer is over its mark)
+        self._room.set()
+        self._exited = asyncio.get_running_loop().create_future()
+
+    @property
+    def pid(self) -> int:
+        return self.transport.get_pid()
 
     def send(self, stream: int, op: int, payload: bytes = b"") -> None:
         if self.dead is not None:
             raise self.dead
-        self.process.stdin.write(HEADER.pack(stream, op, len(payload)) + payload)
+        self.transport.get_pipe_transport(0).write(HEADER.pack(stream, op, len(payload)) + payload)
 
     async def call(self, stream: int, op: int, payload: bytes) -> bytes:
         """Send a call that is answered; its answer's payload."""
         answer = asyncio.get_running_loop().create_future()
         self.send(stream, op, payload)
         self.due.setdefault(stream, deque()).append(answer)
-        await self.process.stdin.drain()
+        await self._room.wait()
         return await answer
 
-    async def _read(self) -> None:
-        stdout = self.process.stdout
-        try:
-            while True:
-                stream, status, length = HEADER.unpack(await stdout.readexactly(HEADER.size))
-                payload = await stdout.readexactly(length) if length else b""
-                queue = self.due.get(stream)
-                if not queue:
-                    continue  # a stream closed while a call was in flight
-                answer = queue.popleft()
-                if not queue:
-                    del self.due[stream]
-                if answer.done():
-                    continue  # its caller was cancelled
-                if status == OK:
-                    answer.set_result(payload)
-                else:
-                    answer.set_exception(EncoderFailed(payload.decode(errors="replace")))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            self._die(EncoderFailed(f"the audio encoder process {self.process.pid} ended"))
+    # --- the transport's callbacks ------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        self._received += data
+        at = 0
+        while len(self._received) - at >= HEADER.size:
+            stream, status, length = HEADER.unpack_from(self._received, at)
+            if len(self._received) - at - HEADER.size < length:
+                break
+            payload = bytes(self._received[at + HEADER.size:at + HEADER.size + length])
+            at += HEADER.size + length
+            self._answer(stream, status, payload)
+        del self._received[:at]
+
+    def _answer(self, stream: int, status: int, payload: bytes) -> None:
+        queue = self.due.get(stream)
+        if not queue:
+            return  # a stream closed while a call was in flight
+        answer = queue.popleft()
+        if not queue:
+            del self.due[stream]
+        if answer.done():
+            return  # its caller was cancelled
+        if status == OK:
+            answer.set_result(payload)
+        else:
+            answer.set_exception(EncoderFailed(payload.decode(errors="replace")))
+
+    def pause_writing(self) -> None:
+        self._room.clear()
+
+    def resume_writing(self) -> None:
+        self._room.set()
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if fd == 1:
+            self._die(EncoderFailed(f"the audio encoder process {self.pid} ended"))
+        else:
+            self._room.set()  # nothing waits for room in a pipe that is gone (the next send raises)
+
+    def process_exited(self) -> None:
+        self._die(EncoderFailed(f"the audio encoder process {self.pid} ended"))
+        if not self._exited.done():
+            self._exited.set_result(None)
 
     def _die(self, failure: EncoderFailed) -> None:
         if self.dead is None:
             log.error("%s", failure)
         self.dead = failure
+        self._room.set()
         for queue in self.due.values():
             for answer in queue:
                 if not answer.done():
@@ -97,15 +135,13 @@ class _Process:
     async def stop(self) -> None:
         self.dead = self.dead or EncoderFailed("the audio encoders are stopping")
         with contextlib.suppress(OSError):
-            self.process.stdin.close()
+            self.transport.get_pipe_transport(0).close()
         try:
-            await asyncio.wait_for(self.process.wait(), STOP_WAIT_S)
+            await asyncio.wait_for(asyncio.shield(self._exited), STOP_WAIT_S)
         except TimeoutError:
-            self.process.kill()
-            await self.process.wait()
-        self.reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.reader
+            self.transport.kill()
+            await self._exited
+        self.transport.close()
 
 
 class EncoderPool:
@@ -134,10 +170,11 @@ class EncoderPool:
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         # A session of its own, out of the server's process group: a Ctrl-C there must not stop the encoding of the
         # sessions the server then drains (the worker ignores SIGINT and SIGTERM too, and leaves when its pipe closes).
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "realtime.audio.encoder_worker", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": path}, start_new_session=True)
-        return _Process(process)
+        _, worker = await asyncio.get_running_loop().subprocess_exec(
+            _Process, sys.executable, "-m", "realtime.audio.encoder_worker", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=None, env={**os.environ, "PYTHONPATH": path},
+            start_new_session=True)
+        return worker
 
     def open(self, fmt: AudioFormat) -> PooledEncoder:
         """A new stream's encoder, on the live worker with the fewest open streams (a dead one is being replaced)."""
