@@ -15,7 +15,9 @@ LEGS = [("since", "gw_submit", "text speaking -> submit"), ("gw_submit", "en_cmd
         ("en_cmd", "en_pub", "engine has it -> first audio out"),
         ("en_pub", "gw_read", "first audio out -> read by the gateway"),
         ("gw_read", "gw_dispatch", "read -> on the event loop"), ("gw_submit", "gw_dispatch", "submit -> on the loop"),
-        ("gw_dispatch", "gw_sent", "on the loop -> sent")]
+        ("gw_dispatch", "gw_sent", "on the loop -> sent"),
+        ("gw_dispatch", "gw_taken", "  on the loop -> taken by its context"),
+        ("gw_taken", "gw_encoded", "  taken -> encoded"), ("gw_encoded", "gw_sent", "  encoded -> sent")]
 PARTS = ("wall", "admit", "frames", "host", "post", "queue", "collect", "publish")
 
 

@@ -5,7 +5,8 @@ engine process) import their modules, a few methods are wrapped to write JSON li
 (one clock for every process of the machine) to `VOXGATE_TRACE_DIR/trace-PID.jsonl`. Nothing changes without the
 variable. `burst_report.py` reads them. Kinds:
 - gateway: `gw_submit` (a request sent to the engine), `gw_read` (its first audio read from the pipe),
-  `gw_dispatch` (handed to its context on the event loop), `gw_sent` (a context's first audio sent, with its first
+  `gw_dispatch` (handed to its context on the event loop), `gw_taken` (taken by the context's sending task),
+  `gw_encoded` (its frames back from the audio encoder), `gw_sent` (a context's first audio sent, with its first
   request's id; `since`: when its text started speaking, the start of its server TTFA);
 - engine process: `en_cmd` (the submit applied; `eid`: the engine's id), `en_pub` (its first audio published),
   `en_step` (one step: its wall time, batch, admitted ids, and the seconds in admission, frame launch, the wait for
@@ -101,7 +102,24 @@ def trace_contexts(module) -> None:
         emit("gw_sent", since=self.stats.since(self.speech.planner),
              rid=request.request_id if request is not None else None)
 
+    send_audio, queue_frames = context._send_audio, context._queue_frames
+    taken, encoded = set(), set()
+
+    def request_id(self):
+        request = self.speech._request  # the request of the utterance being spoken
+        return request.request_id if request is not None else None
+
+    async def traced_send_audio(self, audio):
+        first_audio("gw_taken", taken, request_id(self))
+        return await send_audio(self, audio)
+
+    def traced_queue_frames(self, frames, last):
+        if frames:
+            first_audio("gw_encoded", encoded, request_id(self))
+        return queue_frames(self, frames, last)
+
     context._first_sent = traced_first_sent
+    context._send_audio, context._queue_frames = traced_send_audio, traced_queue_frames
 
 
 def trace_step_loop(module) -> None:
