@@ -64,6 +64,7 @@ def test_the_reader_gets_every_chunk_as_put_and_samples_without_room_stay_in_the
        chunk=st.sampled_from([1, 7, 4096, 1 << 20]))
 def test_the_bulk_reader_gives_every_message_in_order(sizes, chunk):
     receiving, sending = multiprocessing.Pipe()
+    os.set_blocking(receiving.fileno(), False)  # as the event loop reads it
     sent = [("publish", index, b"x" * size) for index, size in enumerate(sizes)]
     reader, received = MessageReader(receiving, chunk), []
     try:
@@ -79,17 +80,21 @@ def test_the_bulk_reader_gives_every_message_in_order(sizes, chunk):
 
 def test_the_bulk_reader_takes_many_waiting_messages_long_headers_and_refuses_a_cut_message():
     receiving, sending = multiprocessing.Pipe()
+    os.set_blocking(receiving.fileno(), False)  # as the event loop reads it
     reader = MessageReader(receiving)
     try:
         sent = [("step_done", index, b"y" * index) for index in range(50)]  # all waiting before the first read
         for message in sent:
             sending.send(message)
-        assert reader.feed() == sent  # one system call took them all
+        assert reader.feed() == sent  # one call took them all
         body = pickle.dumps(("publish", [], None))  # the header of a message over 2 GB: -1, then 8 bytes of length
         os.write(sending.fileno(), struct.pack("!i", -1) + struct.pack("!Q", len(body)) + body)
         assert reader.feed() == [("publish", [], None)]
-        os.set_blocking(receiving.fileno(), False)  # as the event loop reads it
         assert reader.feed() == []  # nothing waiting
+        big = [("publish", index, b"z" * 20_000) for index in range(3)]  # many reads of 4 KB
+        for message in big:
+            sending.send(message)
+        assert MessageReader(receiving, chunk_bytes=4096).feed() == big  # read on until nothing waits
         os.write(sending.fileno(), struct.pack("!i", 100) + b"cut short")
         assert reader.feed() == []  # not a whole message yet
         sending.close()

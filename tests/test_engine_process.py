@@ -109,6 +109,33 @@ def test_cancel_a_refused_request_and_a_dead_child(tts):
     assert isinstance(error, EngineFailed) and str(error) == "the engine process exited"
 
 
+def test_a_failure_while_the_childs_messages_are_handled_ends_every_request(tts):
+    """The child's messages are handled on the event loop: a call there that raises (here the step callback) must
+    not leave a request waiting for a `Finished` that was in the same read, nor the engine running."""
+    def on_step(seconds: float, batch: int) -> None:
+        raise RuntimeError("a metrics bug")
+
+    async def main():
+        engine = ProcessEngine(spec(tts), tts, on_step=on_step)
+        engine.start()
+        await engine.ready()
+        try:
+            handle = engine.submit(request(tts, "Short.", 10, 6))
+
+            async def events() -> list:
+                return [event async for event in handle]
+            return await asyncio.wait_for(events(), 30), engine.error
+        finally:
+            await engine.stop()
+            exit_code.append(engine._process.exitcode)
+
+    exit_code: list = []
+    events, error = asyncio.run(main())
+    assert isinstance(events[-1], Finished) and events[-1].reason == "error" and events[-1].error is error
+    assert isinstance(error, EngineFailed) and "RuntimeError: a metrics bug" in str(error)
+    assert exit_code == [-signal.SIGKILL]  # killed at once: nothing more it sends is read
+
+
 def test_the_gateway_serves_through_an_engine_process_and_restarts_it_when_it_dies():
     with running_server(Limits(), engine_process=True) as server:
         async def speak():

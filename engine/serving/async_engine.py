@@ -137,7 +137,7 @@ class FrontEnd:
     def _send(self, command: Command) -> None:
         raise NotImplementedError
 
-    # --- the step loop's outbox: called from the engine's thread, or from the reader of the engine process ---------
+    # --- the step loop's outbox: called from the engine's thread (the engine process's calls are made on the loop) ---
 
     def publish(self, events: list[Event]) -> None:
         self._loop.call_soon_threadsafe(self._deliver, events)

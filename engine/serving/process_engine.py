@@ -24,6 +24,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
@@ -98,14 +99,17 @@ class ProcessEngine(FrontEnd):
         if self._process is None:
             return
         error = self._stopping()
-        self._writer.send(STOP)
+        if self._writer is not None:  # None: the child could not be started
+            self._writer.send(STOP)
         await asyncio.to_thread(self._process.join, 10)
         if self._process.is_alive():
             self._process.kill()
             await asyncio.to_thread(self._process.join, 5)
         self._end_open(error)
         self._stop_reading()
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+        self._conn.close()
         if self._ring is not None:  # read on this loop alone, and no longer read: its memory can go
             self._ring.unlink()
             self._ring.close()
@@ -130,28 +134,25 @@ class ProcessEngine(FrontEnd):
 
     def _on_readable(self) -> None:
         try:
-            messages = self._reader.feed()
+            for kind, *args in self._reader.feed():
+                if kind == "publish":
+                    events, place = args
+                    self._deliver(events if place is None else self._ring.incoming(events, place))
+                elif kind in FORWARDED:
+                    getattr(self, kind)(*args)
+                elif kind == "ready":
+                    self.slots = args[0]
+                    self._ready.set()
+                elif kind == "stopped":
+                    self._stop_reading()
+                    return
         except (EOFError, OSError):
             self._stop_reading()
             self.failed(EngineFailed("the engine process exited"))
-            return
         except Exception as failure:  # a bug here must not leave requests waiting forever
             self._stop_reading()
             self.failed(EngineFailed(f"the engine reader failed: {type(failure).__name__}: {failure}"))
             self._process.kill()
-            return
-        for kind, *args in messages:
-            if kind == "publish":
-                events, place = args
-                self._deliver(events if place is None else self._ring.incoming(events, place))
-            elif kind in FORWARDED:
-                getattr(self, kind)(*args)
-            elif kind == "ready":
-                self.slots = args[0]
-                self._ready.set()
-            elif kind == "stopped":
-                self._stop_reading()
-                return
 
     def _stop_reading(self) -> None:
         """No more messages will be read (the child stopped or is gone): a `ready()` still waiting hears it now."""
@@ -164,7 +165,7 @@ class ProcessEngine(FrontEnd):
 def _frame(message: object) -> bytes:
     """A message in `Connection.send`'s wire format: a 4-byte big-endian length (-1: an 8-byte one follows), then
     its pickle; the child reads it with `Connection.recv`."""
-    body = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+    body = ForkingPickler.dumps(message)  # as `Connection.send` pickles: tensors by torch's sharing reductions
     head = struct.pack("!i", len(body)) if len(body) <= 0x7FFFFFFF else struct.pack("!iQ", -1, len(body))
     return head + body
 
@@ -226,16 +227,22 @@ class MessageReader:
         self.fd, self.chunk_bytes = conn.fileno(), chunk_bytes
         self.buffer = bytearray()
 
-    def feed(self) -> list:
+    def feed(self, budget_bytes: int = 8 << 20) -> list:
         """The messages that the bytes waiting now complete, in order (none yet: []); raises EOFError once the
-        other end has closed."""
-        try:
-            data = os.read(self.fd, self.chunk_bytes)
-        except BlockingIOError:
-            return []
-        if not data:
-            raise EOFError
-        self.buffer += data
+        other end has closed. Reads until nothing waits or `budget_bytes` are read: samples that did not fit the ring
+        come in the messages (MBs a step), and one read a turn of a busy loop would fall behind them."""
+        read = 0
+        while read < budget_bytes:
+            try:
+                data = os.read(self.fd, self.chunk_bytes)
+            except BlockingIOError:
+                break
+            if not data:
+                if read:
+                    break  # what came before the end first; the end on the next call
+                raise EOFError
+            self.buffer += data
+            read += len(data)
         return self._complete()
 
     def _complete(self) -> list:

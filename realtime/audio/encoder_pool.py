@@ -111,15 +111,14 @@ class _Process(asyncio.SubprocessProtocol):
         self._room.set()
 
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        if fd == 1:
+        if fd == 1:  # every answer it wrote has been read: those still due will not come
             self._die(EncoderFailed(f"the audio encoder process {self.pid} ended"))
         else:
             self._room.set()  # nothing waits for room in a pipe that is gone (the next send raises)
 
     def process_exited(self) -> None:
-        self._die(EncoderFailed(f"the audio encoder process {self.pid} ended"))
-        if not self._exited.done():
-            self._exited.set_result(None)
+        """Its exit may be reported before the last answers in its pipe are read: they end the calls, not this."""
+        self._exited.set_result(None)
 
     def _die(self, failure: EncoderFailed) -> None:
         if self.dead is None:
