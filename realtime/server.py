@@ -261,7 +261,7 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
         """A data message written at once (held to the loop turn's end, `write_frame_sync`) when the ordinary send
         would not wait: the connection is open, receiving goes on and the transport is not paused. An Opus stream
         is 50 messages a second, and starlette's, uvicorn's and the legacy protocol's layers of awaits around each
-        were a large part of the gateway's loop per message (docs/benchmarks.md, "Sends past the ASGI layers").
+        cost ~40% of the web stack's time a message (docs/benchmarks.md, "Sends past the ASGI layers").
         False: nothing was written; the caller sends it the ordinary way, which waits for room or raises what the
         connection's state says. Given to the session in its scope's extensions (`SEND_NOW_EXTENSION`)."""
         if self.state is not State.OPEN or self._receiving_ended or self._paused:

@@ -217,11 +217,11 @@ class MessageWriter:
 
 
 class MessageReader:
-    """A `Connection`'s messages, read in bulk from its non-blocking end on the event loop: one system call takes
-    every message already waiting. A reader thread needed the GIL back from the busy loop after each read and each
+    """A `Connection`'s messages, read in bulk from its non-blocking end on the event loop: one call takes every
+    message already waiting. A reader thread needed the GIL back from the busy loop after each read and each
     hand-over to the loop, up to the 5 ms switch interval every time; in a burst of 256 sessions that put the first
-    audio 246 ms p95 behind its publication (docs/benchmarks.md, "Where a burst's time goes"). The wire format is
-    `Connection.send`'s (`_frame`)."""
+    audio 246 ms p95 behind its publication (docs/benchmarks.md, "The engine process's pipe on the event loop"). The
+    wire format is `Connection.send`'s (`_frame`)."""
 
     def __init__(self, conn: Connection, chunk_bytes: int = 1 << 20) -> None:
         self.fd, self.chunk_bytes = conn.fileno(), chunk_bytes
