@@ -12,8 +12,9 @@
 # `stress[N]` (the same, each next context at once), `ttsR` (tts_bench at R req/s for $TTS_DURATION [40s] after its
 # 10 s warm-up). TREE [this repository]: the tree the server runs from (another revision's copy).
 # Every server gets `--device cuda --port 8000 --synthetic-frames-per-token 3.5 --max-sessions 600` before its own
-# flags. Reports, JSON, server logs, the GPU's peak memory, the engine's time series (`metrics_trace.py`, 0.25 s) and
-# the server's /metrics at the end to $OUT; with TTS_ARCHIVES=1, tts_bench's per-request records too (`run.sh`'s archive).
+# flags. Reports, JSON, server logs, the GPU's peak memory, the engine's time series (`metrics_trace.py`, 0.25 s), CPU
+# by process kind (`cpu_trace.py`, 0.25 s) and the server's /metrics at the end to $OUT; with TTS_ARCHIVES=1,
+# tts_bench's per-request records too (`run.sh`'s archive).
 set -uo pipefail
 if [ $# -lt 2 ]; then
     sed -n '2,12p' "$0" >&2
@@ -39,6 +40,8 @@ for configuration in "$@"; do
     sampler=$!
     python3 "$HERE/metrics_trace.py" http://127.0.0.1:8000 0.25 > "$OUT/trace-$name.jsonl" 2>&1 &
     tracer=$!
+    python3 "$HERE/cpu_trace.py" 0.25 > "$OUT/cpu-$name.jsonl" 2>&1 &
+    cpu=$!
     for load in $loads; do
         kind=${load%%[0-9]*} count=${load#"${load%%[0-9]*}"}
         if [ "$kind" = tts ]; then
@@ -57,7 +60,7 @@ for configuration in "$@"; do
             > "$OUT/ws-$sessions-$kind-$name.json" 2> "$OUT/ws-$sessions-$kind-$name.err"
         echo "== $name, $sessions sessions, $kind ($tree $flags): $(cat "$OUT/ws-$sessions-$kind-$name.json")"
     done
-    kill $sampler $tracer
+    kill $sampler $tracer $cpu
     python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
         > "$OUT/metrics-$name.txt" 2>&1
     echo "== $name: GPU memory used, peak $(sort -n "$OUT/gpu-memory-$name.txt" | tail -1) MiB"
