@@ -35,6 +35,7 @@ with warnings.catch_warnings():
     from websockets.datastructures import Headers
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidUpgrade, ProtocolError
     from websockets.legacy.exceptions import AbortHandshake
+    from websockets.legacy.framing import prepare_data
     from websockets.frames import DATA_OPCODES, CloseCode, Frame, Opcode
     from websockets.legacy.protocol import MAX_FRAGMENTS, TooManyFragments
     from websockets.protocol import State
@@ -266,10 +267,7 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
         connection's state says. Given to the session in its scope's extensions (`SEND_NOW_EXTENSION`)."""
         if self.state is not State.OPEN or self._receiving_ended or self._paused:
             return False
-        if isinstance(payload, str):
-            self.write_frame_sync(True, Opcode.TEXT, payload.encode())
-        else:
-            self.write_frame_sync(True, Opcode.BINARY, payload)
+        self.write_frame_sync(True, *prepare_data(payload))  # the opcode and bytes as the ordinary `send` makes them
         return True
 
     async def _app_then_close(self, scope: Any, receive: Any, send: Any) -> None:

@@ -126,12 +126,11 @@ class Session:
                 item = await self.outbox.get()
                 if item.closes:
                     return
-                if send_now is not None and send_now(item.payload):
-                    pass
-                elif isinstance(item.payload, bytes):
-                    await self.ws.send_bytes(item.payload)
-                else:
-                    await self.ws.send_text(item.payload)
+                if send_now is None or not send_now(item.payload):
+                    if isinstance(item.payload, bytes):
+                        await self.ws.send_bytes(item.payload)
+                    else:
+                        await self.ws.send_text(item.payload)
                 if item.audio_ms:
                     self._last_activity = time.monotonic()
                     self.gateway.metrics.socket.audio_seconds.inc(item.audio_ms / 1000)
