@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import socket
+import struct
 import warnings
 from http import HTTPStatus
 from collections import deque
@@ -35,7 +36,6 @@ with warnings.catch_warnings():
     from websockets.datastructures import Headers
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidUpgrade, ProtocolError
     from websockets.legacy.exceptions import AbortHandshake
-    from websockets.legacy.framing import prepare_data
     from websockets.frames import DATA_OPCODES, CloseCode, Frame, Opcode
     from websockets.legacy.protocol import MAX_FRAGMENTS, TooManyFragments
     from websockets.protocol import State
@@ -44,6 +44,27 @@ with warnings.catch_warnings():
 
 MAX_HELD_BYTES = 16_384  # a loop turn's data frames held for one socket write: a 320 ms chunk of 24 kHz PCM
 TCP_INFO_BYTES_ACKED = slice(120, 128)  # Linux's struct tcp_info: tcpi_bytes_acked, a little-endian u64
+
+
+DATA_HEAD = struct.Struct("!BB")
+DATA_HEAD_16 = struct.Struct("!BBH")
+DATA_HEAD_64 = struct.Struct("!BBQ")
+
+
+def data_frame(message: str | bytes) -> bytes:
+    """One whole message as a server's data frame (RFC 6455: FIN, text or binary, unmasked, the length in 7, 16 or 64
+    bits). No extension applies: compression is off (`build_server`), and a frame without RSV1 is an uncompressed
+    message under permessage-deflate too."""
+    if isinstance(message, str):
+        opcode, data = 0x81, message.encode()
+    else:
+        opcode, data = 0x82, message
+    length = len(data)
+    if length < 126:
+        return DATA_HEAD.pack(opcode, length) + data
+    if length < 65536:
+        return DATA_HEAD_16.pack(opcode, 126, length) + data
+    return DATA_HEAD_64.pack(opcode, 127, length) + data
 
 
 def bytes_acked(transport: asyncio.BaseTransport) -> int | None:
@@ -96,25 +117,32 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
         self._session_app, self.app = self.app, self._app_then_close
 
     def write_frame_sync(self, fin: bool, opcode: int, data: Any) -> None:
-        """A chunk of audio is several 20 ms packets, each its own message, sent one after another without the
-        sender yielding: a system call and a TCP segment each was the larger part of the gateway's cost per message
-        (docs/benchmarks.md). Data frames are therefore held until the end of the loop's turn and written together,
-        in order; a control frame (close, ping, pong) writes what is held, then itself, at once.
+        """A data frame is held to the loop turn's end (`_write_data`); a control frame (close, ping, pong) writes
+        what is held, then itself, at once."""
+        frame = Frame(Opcode(opcode), data, fin).serialize(mask=self.is_client, extensions=self.extensions)
+        if opcode in DATA_OPCODES:
+            self._write_data(frame)
+            return
+        self._write_held()
+        self.transport.write(frame)
+
+    def _write_data(self, frames: bytes) -> None:
+        """A chunk of audio is several 20 ms packets, each its own message: a system call and a TCP segment each was
+        the larger part of the gateway's cost per message (docs/benchmarks.md). Data frames are therefore held until
+        the end of the loop's turn and written together, in order.
 
         Only while the socket keeps up, and only up to `MAX_HELD_BYTES`: once the transport buffers (the peer reads
         slowly), every frame goes to it at once, so that its high-water mark pauses the sender as before and the
         session's send queue, not the transport, holds what waits (its urgent events, cancels and slow-consumer
         policy act on it)."""
-        frame = Frame(Opcode(opcode), data, fin).serialize(mask=self.is_client, extensions=self.extensions)
-        if (opcode in DATA_OPCODES and not self.transport.get_write_buffer_size()
-                and self._held_bytes + len(frame) <= MAX_HELD_BYTES):
+        if not self.transport.get_write_buffer_size() and self._held_bytes + len(frames) <= MAX_HELD_BYTES:
             if not self._held:
                 self.loop.call_soon(self._write_held)
-            self._held.append(frame)
-            self._held_bytes += len(frame)
+            self._held.append(frames)
+            self._held_bytes += len(frames)
             return
         self._write_held()
-        self.transport.write(frame)
+        self.transport.write(frames)
 
     async def keepalive_ping(self) -> None:
         """The library's keepalive, three things changed. The ping's own send counts against the pong's timeout: it
@@ -258,16 +286,17 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
         if self.state is State.OPEN:
             self.write_frame_sync(True, Opcode.TEXT, text.encode())
 
-    def _send_now(self, payload: str | bytes) -> bool:
-        """A data message written at once (held to the loop turn's end, `write_frame_sync`) when the ordinary send
-        would not wait: the connection is open, receiving goes on and the transport is not paused. An Opus stream
-        is 50 messages a second, and starlette's, uvicorn's and the legacy protocol's layers of awaits around each
-        cost ~40% of the web stack's time a message (docs/benchmarks.md, "Sends past the ASGI layers").
-        False: nothing was written; the caller sends it the ordinary way, which waits for room or raises what the
+    def _send_now(self, messages: list[str | bytes]) -> bool:
+        """Data messages written at once (held to the loop turn's end, `_write_data`) when the ordinary send would not
+        wait: the connection is open, receiving goes on and the transport is not paused. An Opus stream is 50
+        messages a second, and starlette's, uvicorn's and the legacy protocol's layers of awaits around each cost ~40%
+        of the web stack's time a message (docs/benchmarks.md, "Sends past the ASGI layers"); a chunk's messages are
+        framed here in one go (`data_frame`).
+        False: nothing was written; the caller sends them the ordinary way, which waits for room or raises what the
         connection's state says. Given to the session in its scope's extensions (`SEND_NOW_EXTENSION`)."""
         if self.state is not State.OPEN or self._receiving_ended or self._paused:
             return False
-        self.write_frame_sync(True, *prepare_data(payload))  # the opcode and bytes as the ordinary `send` makes them
+        self._write_data(b"".join(map(data_frame, messages)))
         return True
 
     async def _app_then_close(self, scope: Any, receive: Any, send: Any) -> None:

@@ -463,17 +463,18 @@ def test_a_fresh_encoder_after_a_flush_is_flagged_in_either_transport(transport)
         async with running_pool(1) as pool:
             framer = AudioFramer("c", 7, AudioFormat(), transport, pool)
             speech = speech_like(0.2, MODEL_SAMPLE_RATE)
-            before = framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
-            before += framer.outgoing(await framer.finish(), last=False, on_first_sent=lambda: None)
+            before = framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None).messages
+            before += framer.outgoing(await framer.finish(), last=False, on_first_sent=lambda: None).messages
             framer.restart()
-            return before, framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
+            after = framer.outgoing(await framer.encode(speech), last=False, on_first_sent=lambda: None)
+            return before, after.messages
 
     before, after = asyncio.run(frames_around_a_flush())
 
-    def discontinuity(item) -> bool:
+    def discontinuity(message) -> bool:
         if transport == "binary":
-            return bool(item.payload[1] & FLAG_DISCONTINUITY)
-        return json.loads(item.payload).get("discontinuity") is True
+            return bool(message[1] & FLAG_DISCONTINUITY)
+        return json.loads(message).get("discontinuity") is True
 
     assert not any(map(discontinuity, before)) and discontinuity(after[0]) and not any(map(discontinuity, after[1:]))
 
@@ -487,11 +488,11 @@ def test_a_drain_before_any_audio_leaves_the_timeline_and_a_working_encoder():
             assert await framer.finish(whole_frame=True) == []
             framer.restart()
             frames = await framer.encode(speech_like(0.2, MODEL_SAMPLE_RATE))
-            return frames, framer.outgoing(frames, last=False, on_first_sent=lambda: None)
+            return frames, framer.outgoing(frames, last=False, on_first_sent=lambda: None).messages
 
-    frames, items = asyncio.run(go())
+    frames, messages = asyncio.run(go())
     assert frames and frames[0].pts == 0
-    assert not any(item.payload[1] & FLAG_DISCONTINUITY for item in items)
+    assert not any(message[1] & FLAG_DISCONTINUITY for message in messages)
 
 
 def test_a_bitrate_another_encoding_ignored_does_not_follow_into_opus() -> None:

@@ -3,9 +3,11 @@
 dies fails its streams' calls with `EncoderFailed` and is replaced."""
 import asyncio
 import contextlib
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from realtime.audio.encoder_pool import EncoderFailed, EncoderPool
-from realtime.audio.encoder_worker import CLOSE, ENCODE, FAILED, OPEN, Worker
+from realtime.audio.encoder_worker import CLOSE, ENCODE, FAILED, OPEN, Worker, first_audio_first, pack_frames
 from realtime.audio.encoders import StreamEncoder
 from realtime.audio.formats import FRAME_MS, SAMPLE_RATES, AudioFormat, UnsupportedFormat
 
@@ -140,3 +142,58 @@ def test_workers_outlive_the_signals_a_shutdown_sends_the_process_group() -> Non
             return await encoder.encode(speech_like(3, 960))
 
     assert [f.samples for f in asyncio.run(run())] == [480, 480]
+
+
+def test_a_worker_answers_a_new_streams_first_audio_ahead_of_calls_waiting_before_it():
+    """A real worker process given, in one write, three chunks of a stream already speaking and then a new stream's
+    first chunk: the new stream's answer comes first (its time to first audio), each stream's answers in order."""
+    import subprocess
+    import sys
+
+    from realtime.audio.encoder_worker import HEADER, OK
+
+    def call(stream: int, op: int, payload: bytes = b"") -> bytes:
+        return HEADER.pack(stream, op, len(payload)) + payload
+
+    def answer(pipe) -> tuple[int, int, bytes]:
+        stream, status, length = HEADER.unpack(pipe.read(HEADER.size))
+        return stream, status, pipe.read(length)
+
+    opus = json.dumps(asdict(AudioFormat())).encode()
+    chunk = speech_like(1, 1920).tobytes()
+    worker = subprocess.Popen([sys.executable, "-m", "realtime.audio.encoder_worker"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    try:
+        worker.stdin.write(call(1, OPEN, opus) + call(1, ENCODE, chunk))
+        worker.stdin.flush()
+        assert answer(worker.stdout)[:2] == (1, OK)  # stream 1 speaks
+        worker.stdin.write(b"".join(call(1, ENCODE, speech_like(seed, 1920).tobytes()) for seed in (2, 3, 4))
+                           + call(2, OPEN, opus) + call(2, ENCODE, chunk))
+        worker.stdin.flush()
+        answers = [answer(worker.stdout) for _ in range(4)]
+    finally:
+        worker.stdin.close()
+        worker.wait(10)
+    assert [stream for stream, _, _ in answers] == [2, 1, 1, 1]
+    expected = StreamEncoder(AudioFormat())
+    expected.encode(speech_like(1, 1920))
+    for (_, status, payload), seed in zip(answers[1:], (2, 3, 4)):  # stream 1's, in its order
+        assert status == OK and payload == pack_frames(expected.encode(speech_like(seed, 1920)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(calls=st.lists(st.tuples(st.integers(0, 5), st.sampled_from([ENCODE, CLOSE])), max_size=30),
+       started=st.sets(st.integers(0, 5)))
+def test_first_audio_first_keeps_each_streams_order(calls, started):
+    """Streams that have given out audio go after those that have not; within a stream, the calls keep their order."""
+    worker = Worker()
+    for stream in started:
+        worker.encoders[stream] = StreamEncoder(AudioFormat())
+        worker.encoders[stream].encode(speech_like(stream, 1920))
+    numbered = [(stream, op, index.to_bytes(2, "big")) for index, (stream, op) in enumerate(calls)]
+    ordered = first_audio_first(numbered, worker)
+    assert sorted(ordered) == sorted(numbered)
+    keys = [stream in started for stream, _, _ in ordered]
+    assert keys == sorted(keys)
+    for stream in range(6):
+        assert [c for c in ordered if c[0] == stream] == [c for c in numbered if c[0] == stream]

@@ -22,7 +22,7 @@ def test_urgent_items_go_first_in_their_own_order(operations):
             name = f"{operation}{number}"
             if operation in ("audio", "urgent"):
                 context = "c" if number % 2 else "d"
-                outbox.put(Outgoing(name, context, audio_ms=20.0 if operation == "audio" else 0.0),
+                outbox.put(Outgoing([name], context, audio_ms=20.0 if operation == "audio" else 0.0),
                            urgent=operation == "urgent")
                 (urgent if operation == "urgent" else normal).append((name, context))
             elif operation == "drop":  # a cancel: context c's unsent items go, the order of the rest stays
@@ -30,7 +30,7 @@ def test_urgent_items_go_first_in_their_own_order(operations):
                 urgent = deque(item for item in urgent if item[1] != "c")
                 normal = deque(item for item in normal if item[1] != "c")
             elif urgent or normal:
-                got.append((await outbox.get()).payload)
+                got.append((await outbox.get()).messages[0])
                 expected.append((urgent or normal).popleft()[0])
         return got, expected
 

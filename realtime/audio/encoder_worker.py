@@ -1,7 +1,8 @@
 """An encoder process of the gateway's `EncoderPool` (`python -m realtime.audio.encoder_worker`): it holds the
-`StreamEncoder`s of the streams given to it and runs their calls one after another, so the gateway's event loop never
-shares a GIL with libopus, soxr and their numpy glue (one process did ~130 audio s per wall s over many threads on
-the H100 host: the threads waited for the GIL, not the CPU; docs/benchmarks.md).
+`StreamEncoder`s of the streams given to it and runs their calls one after another (of those waiting, a new stream's
+first: `first_audio_first`), so the gateway's event loop never shares a GIL with libopus, soxr and their numpy glue
+(one process did ~130 audio s per wall s over many threads on the H100 host: the threads waited for the GIL, not the
+CPU; docs/benchmarks.md).
 
 The pipe protocol, both ways a header `<QBI` (stream, op or status, payload length) and the payload:
 - `OPEN` (the `AudioFormat` as JSON), `ENCODE` (float32 samples at the model's rate), `FINISH` (one byte: a whole last
@@ -26,6 +27,7 @@ HEADER = struct.Struct("<QBI")
 FRAME = struct.Struct("<II")
 OPEN, ENCODE, FINISH, CLOSE = 1, 2, 3, 4
 OK, FAILED = 0, 1
+READ_BYTES = 1 << 20
 
 
 def pack_frames(frames: list) -> bytes:
@@ -58,24 +60,52 @@ class Worker:
             return None if op in (OPEN, CLOSE) else (FAILED, f"{type(failure).__name__}: {failure}".encode())
 
 
-def _read(pipe: BinaryIO, size: int) -> bytes | None:
-    """Exactly `size` bytes, or None at the end of the input (the gateway closed the pipe: time to go)."""
-    data = pipe.read(size)
-    return data if len(data) == size else None
+class Calls:
+    """The calls that have arrived on the pipe, read in whatever pieces it delivers."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buffer = bytearray()
+
+    def read(self) -> list[tuple[int, int, bytes]] | None:
+        """Every whole call waiting (at least one: it blocks until one is whole), in order; None at the end of the
+        input (the gateway closed the pipe: time to go)."""
+        while True:
+            calls, at = [], 0
+            while len(self._buffer) - at >= HEADER.size:
+                stream, op, length = HEADER.unpack_from(self._buffer, at)
+                if len(self._buffer) - at - HEADER.size < length:
+                    break
+                calls.append((stream, op, bytes(self._buffer[at + HEADER.size:at + HEADER.size + length])))
+                at += HEADER.size + length
+            del self._buffer[:at]
+            if calls:
+                return calls
+            data = os.read(self._fd, READ_BYTES)
+            if not data:
+                return None
+            self._buffer += data
 
 
-def serve(inbox: BinaryIO, outbox: BinaryIO) -> None:
-    worker = Worker()
-    while (header := _read(inbox, HEADER.size)) is not None:
-        stream, op, length = HEADER.unpack(header)
-        payload = _read(inbox, length) if length else b""
-        if payload is None:
-            return
-        answer = worker.handle(stream, op, payload)
-        if answer is not None:
-            status, data = answer
-            outbox.write(HEADER.pack(stream, status, len(data)) + data)
-            outbox.flush()
+def first_audio_first(calls: list[tuple[int, int, bytes]], worker: Worker) -> list[tuple[int, int, bytes]]:
+    """The calls of streams that have given out no audio yet go ahead of the rest, each stream's in its own order:
+    every engine step hands the gateway a chunk for each of its streams at once, and a new context's first audio
+    (its time to first audio) waited behind the chunks of those that were already speaking."""
+    def started(call: tuple[int, int, bytes]) -> bool:
+        encoder = worker.encoders.get(call[0])
+        return encoder is not None and encoder.samples_out > 0
+    return sorted(calls, key=started)
+
+
+def serve(inbox: int, outbox: BinaryIO) -> None:
+    worker, calls = Worker(), Calls(inbox)
+    while (batch := calls.read()) is not None:
+        for stream, op, payload in first_audio_first(batch, worker):
+            answer = worker.handle(stream, op, payload)
+            if answer is not None:
+                status, data = answer
+                outbox.write(HEADER.pack(stream, status, len(data)) + data)
+                outbox.flush()
 
 
 def main() -> None:
@@ -86,7 +116,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     outbox = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    serve(sys.stdin.buffer, outbox)
+    serve(sys.stdin.fileno(), outbox)
 
 
 if __name__ == "__main__":

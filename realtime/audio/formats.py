@@ -3,6 +3,7 @@ encoded frame every encoder gives out. One place, so the protocol, the encoders 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,8 +65,8 @@ class AudioFormat:
         return self.sample_rate * self.frame_ms // 1000
 
 
-@dataclass(frozen=True)
-class EncodedFrame:
+class EncodedFrame(NamedTuple):
+    """One packet or frame of a stream (a tuple: a chunk of Opus audio is many, made one by one on the event loop)."""
     payload: bytes
     pts: int  # first sample of this frame, at the output rate, from the stream's start
     samples: int  # audio samples it carries at the output rate (padding of a final opus packet included)

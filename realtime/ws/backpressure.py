@@ -78,7 +78,7 @@ class SlowConsumerPolicy:
 
     def _warn(self) -> None:
         if self._warning is None:
-            self._warning = Outgoing(json.dumps(event(
+            self._warning = Outgoing([json.dumps(event(
                 "warning", code="slow_consumer", message="the client reads audio slower than it is made; synthesis "
-                "pauses until it catches up")))
+                "pauses until it catches up"))])
             self.outbox.put(self._warning, urgent=True)

@@ -50,6 +50,7 @@ class SessionContext:
         self._waiting_ms = 0.0  # synthesized audio not yet encoded (the client reads too slowly)
         self._model_samples = 0  # synthesized samples taken in order (those waiting for a slow client included)
         self._paused_too_long: asyncio.TimerHandle | None = None  # while synthesis is paused for a slow client
+        speech.on_audio = self._audio_came
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # --- text in -------------------------------------------------------------------------------------------------
@@ -97,40 +98,36 @@ class SessionContext:
     # --- events out ----------------------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        """Take the synthesis output as it comes (so that audio waiting for a slow client is counted), and send it
-        in order while the outbox has room."""
-        backlog: asyncio.Queue = asyncio.Queue()
-        collector = asyncio.get_running_loop().create_task(self._collect(backlog))
+        """Send the synthesis output in order while the outbox has room (the audio waiting meanwhile is counted as it
+        comes, `_audio_came`)."""
         try:
-            while True:
-                item = await backlog.get()
+            async for item in self.speech.events():
                 if isinstance(item, ContextAudio):
                     await self._send_audio(item)
                 elif isinstance(item, ContextText):
                     self._time_words(item)
                 elif isinstance(item, ContextMarker):
                     await self._send_marker(item)
-                else:
+                else:  # the end: the events end with it
                     await self._finish(item)
-                    break
         except Exception as failure:  # a bug here must still end the context: an error, then context.done
             log.exception("context failed")
             self.speech.cancel()  # its engine request (perhaps paused) gives its slot back
             self._end_failed(failure)
         finally:
-            collector.cancel()
             self._resumed()
             self.framer.close()
         self.on_finished(self)
 
-    async def _collect(self, backlog: asyncio.Queue) -> None:
-        async for item in self.speech.events():
-            if isinstance(item, ContextAudio):
-                self._waiting_ms += len(item.samples) / MODEL_SAMPLE_RATE * 1000
-                self.slow.check_backlog(self._waiting_ms)
-                if self.slow.should_pause(self._waiting_ms):
-                    self._pause()
-            backlog.put_nowait(item)
+    def _audio_came(self, samples: int) -> None:
+        """Synthesis queued audio (`SpeechContext.on_audio`), perhaps while this context still waits for the client
+        to take what came before: as much waiting pauses synthesis, and far more ends a session that reads nothing.
+        Counted here, as it comes, not when this context's task gets to it (a task between them cost every chunk
+        one more turn of the loop)."""
+        self._waiting_ms += samples / MODEL_SAMPLE_RATE * 1000
+        self.slow.check_backlog(self._waiting_ms)
+        if self.slow.should_pause(self._waiting_ms):
+            self._pause()
 
     def _pause(self) -> None:
         """Pause synthesis while the client takes too little audio; a pause that outlasts the hard limit's time ends
@@ -221,7 +218,8 @@ class SessionContext:
                           event_id=self.end_event_id))
 
     def _queue_frames(self, frames: list[EncodedFrame], last: bool) -> None:
-        for item in self.framer.outgoing(frames, last, self._first_sent):
+        item = self.framer.outgoing(frames, last, self._first_sent)
+        if item is not None:
             self.outbox.put(item)
             self.stats.audio_sent_ms += item.audio_ms
 

@@ -63,22 +63,25 @@ class AudioFramer:
         """The context is over: its encoder's state is freed (finished or not)."""
         self.encoder.close()
 
-    def outgoing(self, frames: list[EncodedFrame], last: bool, on_first_sent: Callable[[], None]) -> list[Outgoing]:
-        """The frames as outbox items in order; `last` flags the final one (an empty frame if all audio already went
-        out). `on_first_sent` runs when the context's first frame leaves."""
+    def outgoing(self, frames: list[EncodedFrame], last: bool, on_first_sent: Callable[[], None]) -> Outgoing | None:
+        """The frames as one outbox item, a message each in order (None for no frames); `last` flags the final one
+        (an empty frame if all audio already went out). `on_first_sent` runs when the context's first frame leaves."""
         if last and not frames:
             frames = [EncodedFrame(b"", self.encoder.samples_out, 0)]
-        items = []
+        if not frames:
+            return None
+        first = not self.sent_first
+        messages = []
         for i, frame in enumerate(frames):
-            flags = (FLAG_FIRST if not self.sent_first else 0) | (FLAG_LAST if last and i == len(frames) - 1 else 0)
+            flags = (FLAG_FIRST if first and i == 0 else 0) | (FLAG_LAST if last and i == len(frames) - 1 else 0)
             if self._discontinuity and frame.payload:
                 flags |= FLAG_DISCONTINUITY
                 self._discontinuity = False
-            first = not self.sent_first
-            self.sent_first = True
-            items.append(Outgoing(self._payload(frame, self._pts_base + frame.pts, flags), self.context_id,
-                                  frame.samples / self.format.sample_rate * 1000, on_first_sent if first else None))
-        return items
+            messages.append(self._payload(frame, self._pts_base + frame.pts, flags))
+        self.sent_first = True
+        samples = sum(frame.samples for frame in frames)
+        return Outgoing(messages, self.context_id, samples / self.format.sample_rate * 1000,
+                        on_first_sent if first else None)
 
     def _payload(self, frame: EncodedFrame, pts: int, flags: int) -> str | bytes:
         if self.transport == "binary":

@@ -11,7 +11,9 @@ from typing import Any, Callable
 
 @dataclass
 class Outgoing:
-    payload: str | bytes
+    """What the sender writes in one go: an event, or a chunk of audio as its frames' messages (a 20 ms Opus packet
+    is a message, so a chunk is many: one item for them all keeps the loop's work per packet small)."""
+    messages: list[str | bytes]
     context_id: str | None = None
     audio_ms: float = 0.0
     on_sent: Callable[[], None] | None = None  # e.g. record time to first audio when the frame really leaves
@@ -41,7 +43,7 @@ class Outbox:
 
     def put_event(self, message: dict[str, Any], context_id: str | None = None, urgent: bool = False) -> None:
         """A server event (protocol.event), serialised here once; `context_id` lets a cancel drop it."""
-        self.put(Outgoing(json.dumps(message), context_id), urgent=urgent)
+        self.put(Outgoing([json.dumps(message)], context_id), urgent=urgent)
 
     def drop(self, context_id: str) -> float:
         """Forget a context's unsent items (its audio after a cancel); returns the audio dropped, in ms."""

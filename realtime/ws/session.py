@@ -118,19 +118,20 @@ class Session:
             await asyncio.sleep(0)
 
     async def _sender(self) -> None:
-        """Sends the outbox in order; a fatal error or a close item ends the session after it is sent. A message
-        goes past the ASGI layers while the socket keeps up (`SEND_NOW_EXTENSION`), through them otherwise."""
+        """Sends the outbox in order; a fatal error or a close item ends the session after it is sent. An item's
+        messages go past the ASGI layers while the socket keeps up (`SEND_NOW_EXTENSION`), through them otherwise."""
         send_now = self.ws.scope.get("extensions", {}).get(SEND_NOW_EXTENSION)
         try:
             while True:
                 item = await self.outbox.get()
                 if item.closes:
                     return
-                if send_now is None or not send_now(item.payload):
-                    if isinstance(item.payload, bytes):
-                        await self.ws.send_bytes(item.payload)
-                    else:
-                        await self.ws.send_text(item.payload)
+                if send_now is None or not send_now(item.messages):
+                    for message in item.messages:
+                        if isinstance(message, bytes):
+                            await self.ws.send_bytes(message)
+                        else:
+                            await self.ws.send_text(message)
                 if item.audio_ms:
                     self._last_activity = time.monotonic()
                     self.gateway.metrics.socket.audio_seconds.inc(item.audio_ms / 1000)
@@ -143,7 +144,7 @@ class Session:
         """Close once everything queued so far has been sent."""
         if self._close is None:
             self._close = (code, reason)
-            self.outbox.put(Outgoing("", closes=True))
+            self.outbox.put(Outgoing([], closes=True))
 
     def abort(self, failure: ProtocolError, code: int) -> None:
         """A fatal error: sent ahead of queued audio (after a warning still queued, which explains it), then the
@@ -154,7 +155,7 @@ class Session:
         self.gateway.metrics.socket.error(failure.code)
         self._close = (code, failure.message[:120])
         self.outbox.put_event(error_event(failure), urgent=True)
-        self.outbox.put(Outgoing("", closes=True), urgent=True)
+        self.outbox.put(Outgoing([], closes=True), urgent=True)
         self.slow.warning_first()
         # a peer that reads nothing keeps the sender waiting behind its unread audio: after a moment it stops
         asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._stop_sending)
@@ -169,8 +170,9 @@ class Session:
         write_now = self.ws.scope.get("extensions", {}).get(WRITE_NOW_EXTENSION)
         if write_now is not None:
             for item in self.outbox.take_until_close():
-                if isinstance(item.payload, str):
-                    write_now(item.payload)
+                for message in item.messages:
+                    if isinstance(message, str):
+                        write_now(message)
 
     async def _idle_watchdog(self) -> None:
         """The idle timer runs only while no context is generating or sending (PROTOCOL.md): a context held open

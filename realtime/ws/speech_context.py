@@ -25,7 +25,7 @@ held the loop for over a second on an H100, docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -126,6 +126,9 @@ class SpeechContext:
         self._ended = False
         self._paused = False  # the client reads slower than real time: the engine makes no more audio for now
         self.read_ahead = read_ahead
+        # called with each chunk's samples as it is queued for `events()`, before its reader takes it: a WebSocket
+        # session counts the audio waiting for a slow client from the moment it exists
+        self.on_audio: Callable[[int], None] | None = None
         self._untaken = 0  # samples of audio queued for `events()` and not yet taken
         self._slow_reader: asyncio.TimerHandle | None = None  # read_ahead: ends a context paused too long
         self._flushes = 0
@@ -235,8 +238,11 @@ class SpeechContext:
         self._wake.set()
 
     def _queued_audio(self, samples: int) -> None:
-        """`read_ahead`: audio for the reader is queued; as much as `pause_s` untaken pauses synthesis."""
+        """Audio for the reader is queued: `on_audio` hears of it; with `read_ahead`, as much as `pause_s` untaken
+        pauses synthesis."""
         self._untaken += samples
+        if self.on_audio is not None:
+            self.on_audio(samples)
         ahead = self.read_ahead
         if ahead is not None and not self._paused and self._untaken >= ahead.pause_s * MODEL_SAMPLE_RATE:
             self.pause(True)
