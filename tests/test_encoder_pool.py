@@ -6,6 +6,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
@@ -15,7 +17,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from realtime.audio.encoder_pool import EncoderFailed, EncoderPool
-from realtime.audio.encoder_worker import CLOSE, ENCODE, FAILED, OPEN, Worker, first_audio_first, pack_frames
+from realtime.audio.encoder_worker import (
+    CLOSE,
+    ENCODE,
+    FAILED,
+    HEADER,
+    OK,
+    OPEN,
+    Worker,
+    first_audio_first,
+    pack_frames,
+)
 from realtime.audio.encoders import StreamEncoder
 from realtime.audio.formats import FRAME_MS, SAMPLE_RATES, AudioFormat, UnsupportedFormat
 
@@ -147,11 +159,6 @@ def test_workers_outlive_the_signals_a_shutdown_sends_the_process_group() -> Non
 def test_a_worker_answers_a_new_streams_first_audio_ahead_of_calls_waiting_before_it():
     """A real worker process given, in one write, three chunks of a stream already speaking and then a new stream's
     first chunk: the new stream's answer comes first (its time to first audio), each stream's answers in order."""
-    import subprocess
-    import sys
-
-    from realtime.audio.encoder_worker import HEADER, OK
-
     def call(stream: int, op: int, payload: bytes = b"") -> bytes:
         return HEADER.pack(stream, op, len(payload)) + payload
 
@@ -197,3 +204,28 @@ def test_first_audio_first_keeps_each_streams_order(calls, started):
     assert keys == sorted(keys)
     for stream in range(6):
         assert [c for c in ordered if c[0] == stream] == [c for c in numbered if c[0] == stream]
+
+
+def test_a_turns_calls_reach_the_worker_together_so_a_new_streams_first_audio_goes_first():
+    """Calls made in one turn of the event loop are written to their worker in one go: a chunk for a stream already
+    speaking and, after it, a new stream's first chunk reach the worker together, and the new stream is answered
+    first."""
+    async def go() -> tuple[list[str], list[int]]:
+        async with running_pool(1) as pool:
+            speaking = pool.open(AudioFormat())
+            await speaking.encode(speech_like(1, 1920))
+            new = pool.open(AudioFormat())
+            await asyncio.sleep(0)  # a turn of its own for the new stream's OPEN
+            pipe = pool._workers[0].transport.get_pipe_transport(0)
+            writes, write = [], pipe.write
+            pipe.write = lambda data: (writes.append(len(data)), write(data))
+            answered: list[str] = []
+            calls = {"speaking": asyncio.ensure_future(speaking.encode(speech_like(2, 1920 * 2))),
+                     "new": asyncio.ensure_future(new.encode(speech_like(3, 1920)))}  # both in the next turn
+            for name, call in calls.items():
+                call.add_done_callback(lambda _, name=name: answered.append(name))
+            await asyncio.gather(*calls.values())
+            return answered, writes
+    answered, writes = asyncio.run(go())
+    assert writes == [2 * HEADER.size + 4 * 1920 * 3]  # one write: both calls' headers and float32 samples
+    assert answered == ["new", "speaking"]

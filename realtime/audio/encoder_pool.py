@@ -52,6 +52,7 @@ class _Process(asyncio.SubprocessProtocol):
         self.streams = 0  # open streams
         self.dead: EncoderFailed | None = None
         self._received = bytearray()
+        self._unsent: list[bytes] = []  # calls of this loop turn, not yet written
         self._room = asyncio.Event()  # the pipe to the worker takes more (cleared while its buffer is over its mark)
         self._room.set()
         self._exited = asyncio.get_running_loop().create_future()
@@ -61,9 +62,20 @@ class _Process(asyncio.SubprocessProtocol):
         return self.transport.get_pid()
 
     def send(self, stream: int, op: int, payload: bytes = b"") -> None:
+        """Written with the loop turn's other calls to this worker, in order, at the turn's end (`_flush`): each
+        engine step gives every stream a chunk at once, and a system call each was a large part of the loop's work
+        per chunk; the worker then sees the turn's calls together and puts new streams' first audio ahead."""
         if self.dead is not None:
             raise self.dead
-        self.transport.get_pipe_transport(0).write(HEADER.pack(stream, op, len(payload)) + payload)
+        if not self._unsent:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._unsent.append(HEADER.pack(stream, op, len(payload)) + payload)
+
+    def _flush(self) -> None:
+        unsent, self._unsent = self._unsent, []
+        pipe = self.transport.get_pipe_transport(0)
+        if unsent and not pipe.is_closing():  # a pipe that is gone: the worker's end fails the calls due (`_die`)
+            pipe.write(b"".join(unsent))
 
     async def call(self, stream: int, op: int, payload: bytes) -> bytes:
         """Send a call that is answered; its answer's payload."""
@@ -134,6 +146,7 @@ class _Process(asyncio.SubprocessProtocol):
     async def stop(self) -> None:
         self.dead = self.dead or EncoderFailed("the audio encoders are stopping")
         with contextlib.suppress(OSError):
+            self._flush()  # a stream's last calls go before the end of the input
             self.transport.get_pipe_transport(0).close()
         try:
             await asyncio.wait_for(asyncio.shield(self._exited), STOP_WAIT_S)
