@@ -71,3 +71,33 @@ def test_cancel_stops_delivery_and_frees_the_slot(tts):
     assert after == []
     assert short_finished.reason in ("eos", "length")
     assert active == 0 and free == 2
+
+
+def test_a_listener_gets_the_events_of_async_for_and_one_that_raises_ends_only_its_request(tts):
+    """`RequestHandle.listen`: the events come to the listener in order (the audio of the single-request path, then
+    Finished), and a listener that raises cancels its own request while the engine and the other requests go on."""
+    reqs = [request(tts, "Good morning to you all.", 9, 1), request(tts, "A listener that fails.", 40, 2)]
+
+    async def main():
+        runner = AsyncEngine(Engine(tts, EngineConfig(max_batch=2, capacity=128)))
+        runner.start()
+        try:
+            heard, finished = [], asyncio.get_running_loop().create_future()
+            good, bad = (runner.submit(r) for r in reqs)
+            while good._events.empty():  # events queued before the listener comes are handed over first
+                await asyncio.sleep(0.005)
+            good.listen(lambda event: heard.append(event) if isinstance(event, AudioChunk)
+                        else finished.set_result(event))
+            bad.listen(lambda event: 1 / 0)
+            end = await asyncio.wait_for(finished, 60)
+            return heard, end, bad.cancelled, runner.active, runner.error
+        finally:
+            await runner.stop()
+
+    heard, end, bad_cancelled, active, error = asyncio.run(main())
+    r = reqs[0]
+    expected = tts.synthesize(r.text, r.voice, language=r.language, sampling=r.sampling, max_frames=r.max_frames)
+    assert end.frames == expected.codes.shape[0]
+    assert [chunk.start_sample for chunk in heard] == sorted(chunk.start_sample for chunk in heard)
+    np.testing.assert_allclose(np.concatenate([chunk.samples for chunk in heard]), expected.audio, atol=1e-5, rtol=0)
+    assert bad_cancelled and active == 0 and error is None

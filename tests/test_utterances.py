@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.engine import Engine, EngineConfig
-from engine.errors import EmptyText
+from engine.errors import EmptyText, VoxgateError
 from engine.request import SynthesisRequest
 from engine.sampling import SamplingParams
 from engine.serving.async_engine import AsyncEngine
@@ -211,3 +211,34 @@ def test_an_utterance_with_nothing_to_say_is_skipped_and_the_context_goes_on(tts
     assert isinstance(end, ContextEnd) and end.reason == "done" and end.error is None
     # the third utterance spoke: audio after the second flush
     assert any(isinstance(e, ContextAudio) for e in events[events.index(flushes[1]):])
+
+
+def test_a_failure_while_filing_the_audio_ends_the_context_with_an_error_and_frees_the_request(tts):
+    """The utterance's events are filed as they come (`RequestHandle.listen`); a failure there (here the session's
+    audio counter raising) ends the context with an error rather than hanging it, and its request leaves the
+    engine."""
+    async def main():
+        runner = AsyncEngine(Engine(tts, EngineConfig(max_batch=2, capacity=256)))
+        runner.start()
+        try:
+            template = SynthesisRequest("", tts.voice(VoiceRequest(speaker="ryan")), language="english",
+                                        sampling=SamplingParams.from_defaults(tts.config.generation, seed=5),
+                                        max_frames=30)
+            context = SpeechContext(runner, template, UtterancePlanner(buffering="none"))
+            context.on_audio = lambda samples: 1 / 0
+            context.append("Hello there.")
+            context.end()
+            events = await asyncio.wait_for(_events_of(context), 60)
+            await asyncio.sleep(0.1)  # the cancel reaches the step loop
+            return events, runner.active
+        finally:
+            await runner.stop()
+
+    events, active = asyncio.run(main())
+    assert isinstance(events[-1], ContextEnd) and events[-1].reason == "error"
+    assert isinstance(events[-1].error, VoxgateError)
+    assert active == 0
+
+
+async def _events_of(context: SpeechContext) -> list:
+    return [event async for event in context.events()]

@@ -12,6 +12,7 @@ the caller's event loop down.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -24,21 +25,44 @@ from engine.request import Event, Finished, SynthesisRequest, check_request
 from engine.serving.step_loop import Command, StepLoop
 from engine.tts import TTSModel
 
+log = logging.getLogger("voxgate")
 STOP_TIMEOUT_S = 10.0  # a step that hangs this long is left behind (its thread is a daemon)
 
 
 class RequestHandle:
-    """One request's events, in order, ending with its `Finished`. After `cancel()` nothing more is delivered."""
+    """One request's events, in order, ending with its `Finished`: read with `async for`, or handed to a listener as
+    they come (`listen`). After `cancel()` nothing more is delivered."""
 
     def __init__(self, request_id: int, front_end: FrontEnd) -> None:
         self.request_id = request_id
         self._front_end = front_end
         self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._listener: Callable[[Event], None] | None = None
         self.cancelled = False
 
+    def listen(self, on_event: Callable[[Event], None]) -> None:
+        """From now on each event is handed to `on_event` on the event loop as it comes (those already queued first),
+        instead of queued for `async for`: a caller that only files each chunk away saves it a turn of the loop, and
+        in a burst of streams every turn is long. `on_event` must not raise: the handle logs what it raises and
+        cancels the request, and its `Finished` never comes."""
+        self._listener = on_event
+        while not self._events.empty():
+            self._hand(self._events.get_nowait())
+
     def _deliver(self, event: Event) -> None:
-        if not self.cancelled:
+        if self.cancelled:
+            return
+        if self._listener is None:
             self._events.put_nowait(event)
+        else:
+            self._hand(event)
+
+    def _hand(self, event: Event) -> None:
+        try:
+            self._listener(event)
+        except Exception:  # one listener's bug ends its own request, never the delivery to the others
+            log.exception("request %d: its listener failed", self.request_id)
+            self.cancel()
 
     def cancel(self) -> bool:
         """Stop the request now; returns whether it was still running or waiting."""

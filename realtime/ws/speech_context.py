@@ -25,6 +25,7 @@ held the loop for over a second on an H100, docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import EmptyText, RequestError, SynthesisFailed, TextTooLong, VoxgateError, request_failure
-from engine.request import SEED_RANGE, AudioChunk, Finished, SynthesisRequest
+from engine.request import SEED_RANGE, AudioChunk, Event, Finished, SynthesisRequest
 from engine.serving.async_engine import FrontEnd, RequestHandle
 from engine.text.cleanup import speakable
 from realtime.audio.formats import MODEL_SAMPLE_RATE
@@ -393,22 +394,33 @@ class SpeechContext:
         self._events.put_nowait(ContextText(utterance.index, utterance.text, final=whole))
         feeder = None if whole else asyncio.get_running_loop().create_task(
             self._feed(utterance, request.request_id, sent))
+        finished = asyncio.get_running_loop().create_future()
+        request.listen(functools.partial(self._heard, self.samples, finished))
         try:
-            start = self.samples
-            async for event in request:
-                if isinstance(event, AudioChunk):
-                    now = asyncio.get_running_loop().time()
-                    self._played_until = max(self._played_until, now) + len(event.samples) / MODEL_SAMPLE_RATE
-                    self._events.put_nowait(ContextAudio(start + event.start_sample, event.samples))
-                    self._queued_audio(len(event.samples))
-                    self.samples = max(self.samples, start + event.start_sample + len(event.samples))
-                elif isinstance(event, Finished) and event.reason == "error":
-                    return event.error or SynthesisFailed("synthesis failed")
+            end = await finished
         finally:
             self._speaking = None
             if feeder is not None:
                 feeder.cancel()
-        return None
+            if finished.cancelled() or not finished.done() or finished.exception() is not None:
+                request.cancel()  # cancelled or failed: its slot goes back, and nothing more is delivered
+        return (end.error or SynthesisFailed("synthesis failed")) if end.reason == "error" else None
+
+    def _heard(self, start: int, finished: asyncio.Future[Finished], event: Event) -> None:
+        """An event of the utterance's request as it comes (`RequestHandle.listen`): audio is filed for `events()`
+        at once, and its `Finished` ends `_speak`'s wait. Raises nothing: a failure here ends the utterance."""
+        try:
+            if isinstance(event, AudioChunk):
+                now = asyncio.get_running_loop().time()
+                self._played_until = max(self._played_until, now) + len(event.samples) / MODEL_SAMPLE_RATE
+                self._events.put_nowait(ContextAudio(start + event.start_sample, event.samples))
+                self._queued_audio(len(event.samples))
+                self.samples = max(self.samples, start + event.start_sample + len(event.samples))
+            elif isinstance(event, Finished) and not finished.done():
+                finished.set_result(event)
+        except Exception as failure:
+            if not finished.done():
+                finished.set_exception(failure)
 
     async def _feed(self, utterance: Utterance, request_id: int, sent: int) -> None:
         """Forward the utterance's later text to its request, and its end once it closes."""
