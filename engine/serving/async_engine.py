@@ -46,7 +46,7 @@ class RequestHandle:
         in a burst of streams every turn is long. `on_event` must not raise: the handle logs what it raises and
         cancels the request, and its `Finished` never comes."""
         self._listener = on_event
-        while not self._events.empty():
+        while not self.cancelled and not self._events.empty():
             self._hand(self._events.get_nowait())
 
     def _deliver(self, event: Event) -> None:

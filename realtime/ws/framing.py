@@ -79,8 +79,8 @@ class AudioFramer:
                 self._discontinuity = False
             messages.append(self._payload(frame, self._pts_base + frame.pts, flags))
         self.sent_first = True
-        samples = sum(frame.samples for frame in frames)
-        return Outgoing(messages, self.context_id, samples / self.format.sample_rate * 1000,
+        rate_ms = self.format.sample_rate / 1000
+        return Outgoing(messages, self.context_id, [frame.samples / rate_ms for frame in frames],
                         on_first_sent if first else None)
 
     def _payload(self, frame: EncodedFrame, pts: int, flags: int) -> str | bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
@@ -15,9 +15,21 @@ class Outgoing:
     is a message, so a chunk is many: one item for them all keeps the loop's work per packet small)."""
     messages: list[str | bytes]
     context_id: str | None = None
-    audio_ms: float = 0.0
+    message_ms: list[float] | None = None  # an audio item: the audio each message carries
     on_sent: Callable[[], None] | None = None  # e.g. record time to first audio when the frame really leaves
     closes: bool = False  # the sender stops here (a field, not a context id: any string is a client's context id)
+    audio_ms: float = field(init=False)  # the audio it carries
+
+    def __post_init__(self) -> None:
+        self.audio_ms = sum(self.message_ms) if self.message_ms else 0.0
+
+    def split_first(self) -> tuple[Outgoing, Outgoing | None]:
+        """The first message as an item of its own (with `on_sent`), and the rest (None if there is none)."""
+        if len(self.messages) == 1:
+            return self, None
+        ms = self.message_ms or [0.0] * len(self.messages)
+        return (Outgoing(self.messages[:1], self.context_id, ms[:1], self.on_sent),
+                Outgoing(self.messages[1:], self.context_id, ms[1:]))
 
 
 class Outbox:
@@ -38,6 +50,13 @@ class Outbox:
             self._urgent += 1
         else:
             self._items.append(item)
+        self.queued_ms += item.audio_ms
+        self._ready.set()
+
+    def put_back(self, item: Outgoing) -> None:
+        """Send this item next, behind the urgent ones only: the rest of an item the sender took but sends a message
+        at a time (the socket is paused), where a cancel can still drop it."""
+        self._items.insert(self._urgent, item)
         self.queued_ms += item.audio_ms
         self._ready.set()
 

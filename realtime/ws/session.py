@@ -119,7 +119,8 @@ class Session:
 
     async def _sender(self) -> None:
         """Sends the outbox in order; a fatal error or a close item ends the session after it is sent. An item's
-        messages go past the ASGI layers while the socket keeps up (`SEND_NOW_EXTENSION`), through them otherwise."""
+        messages go past the ASGI layers while the socket keeps up (`SEND_NOW_EXTENSION`); otherwise through them, a
+        message at a time, the rest of the item back at the head of the outbox."""
         send_now = self.ws.scope.get("extensions", {}).get(SEND_NOW_EXTENSION)
         try:
             while True:
@@ -127,11 +128,13 @@ class Session:
                 if item.closes:
                     return
                 if send_now is None or not send_now(item.messages):
-                    for message in item.messages:
-                        if isinstance(message, bytes):
-                            await self.ws.send_bytes(message)
-                        else:
-                            await self.ws.send_text(message)
+                    item, rest = item.split_first()
+                    if rest is not None:  # while this message waits for room, a cancel may still drop the rest
+                        self.outbox.put_back(rest)
+                    if isinstance(item.messages[0], bytes):
+                        await self.ws.send_bytes(item.messages[0])
+                    else:
+                        await self.ws.send_text(item.messages[0])
                 if item.audio_ms:
                     self._last_activity = time.monotonic()
                     self.gateway.metrics.socket.audio_seconds.inc(item.audio_ms / 1000)

@@ -408,7 +408,10 @@ class SpeechContext:
 
     def _heard(self, start: int, finished: asyncio.Future[Finished], event: Event) -> None:
         """An event of the utterance's request as it comes (`RequestHandle.listen`): audio is filed for `events()`
-        at once, and its `Finished` ends `_speak`'s wait. Raises nothing: a failure here ends the utterance."""
+        at once, and its `Finished` ends `_speak`'s wait. Raises nothing: a failure here ends the utterance, and what
+        comes after it is not filed."""
+        if finished.done():
+            return
         try:
             if isinstance(event, AudioChunk):
                 now = asyncio.get_running_loop().time()
@@ -416,11 +419,12 @@ class SpeechContext:
                 self._events.put_nowait(ContextAudio(start + event.start_sample, event.samples))
                 self._queued_audio(len(event.samples))
                 self.samples = max(self.samples, start + event.start_sample + len(event.samples))
-            elif isinstance(event, Finished) and not finished.done():
+            elif isinstance(event, Finished):
                 finished.set_result(event)
-        except Exception as failure:
-            if not finished.done():
-                finished.set_exception(failure)
+        except Exception as failure:  # (wrapped: a future refuses some exceptions, StopIteration)
+            error = RuntimeError(f"filing the utterance's audio failed: {failure!r}")
+            error.__cause__ = failure
+            finished.set_exception(error)
 
     async def _feed(self, utterance: Utterance, request_id: int, sent: int) -> None:
         """Forward the utterance's later text to its request, and its end once it closes."""
