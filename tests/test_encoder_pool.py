@@ -24,6 +24,7 @@ from realtime.audio.encoder_worker import (
     HEADER,
     OK,
     OPEN,
+    OPEN_CONTINUING,
     Worker,
     first_audio_first,
     pack_frames,
@@ -229,3 +230,78 @@ def test_a_turns_calls_reach_the_worker_together_so_a_new_streams_first_audio_go
     answered, writes = asyncio.run(go())
     assert writes == [2 * HEADER.size + 4 * 1920 * 3]  # one write: both calls' headers and float32 samples
     assert answered == ["new", "speaking"]
+
+
+def test_a_contexts_encoder_after_a_flush_does_not_count_as_first_audio():
+    """A flush or mark starts a fresh encoder stream for the context (`AudioFramer.restart`): once the context's audio
+    has begun, that stream is `OPEN_CONTINUING`, so a client flushing after every word does not put its chunks ahead
+    of other streams' as first audio; a new context's first chunk still goes first."""
+    from realtime.ws.framing import AudioFramer
+
+    async def go() -> list[str]:
+        async with running_pool(1) as pool:
+            flushing = AudioFramer("c", 1, AudioFormat(), "binary", pool)
+            flushing.outgoing(await flushing.encode(speech_like(1, 1920)), last=False, on_first_sent=lambda: None)
+            await flushing.finish(whole_frame=True)
+            flushing.restart()
+            fresh = AudioFramer("d", 2, AudioFormat(), "binary", pool)
+            await asyncio.sleep(0)  # the OPENs go in a turn of their own
+            answered: list[str] = []
+            calls = {"flushing": asyncio.ensure_future(flushing.encode(speech_like(2, 1920))),
+                     "fresh": asyncio.ensure_future(fresh.encode(speech_like(3, 1920)))}
+            for name, call in calls.items():
+                call.add_done_callback(lambda _, name=name: answered.append(name))
+            await asyncio.gather(*calls.values())
+            return answered
+    assert asyncio.run(go()) == ["fresh", "flushing"]
+
+
+def test_a_continuing_stream_has_begun_before_its_first_frame():
+    fmt = json.dumps(asdict(AudioFormat())).encode()
+    worker = Worker()
+    worker.handle(1, OPEN, fmt)
+    worker.handle(2, OPEN_CONTINUING, fmt)
+    assert not worker.started(1) and worker.started(2)
+    calls = [(2, ENCODE, b"x"), (1, ENCODE, b"y")]
+    assert first_audio_first(calls, worker) == [(1, ENCODE, b"y"), (2, ENCODE, b"x")]
+    worker.handle(2, CLOSE, b"")
+    assert not worker.started(2) and 2 not in worker.continuing
+
+
+def test_a_stream_opened_continuing_in_the_same_batch_has_begun_too():
+    fmt = json.dumps(asdict(AudioFormat())).encode()
+    calls = [(2, OPEN_CONTINUING, fmt), (3, OPEN, fmt), (2, ENCODE, b"x"), (3, ENCODE, b"y")]
+    assert [c[0] for c in first_audio_first(calls, Worker())] == [3, 3, 2, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(calls=st.lists(st.tuples(st.integers(0, 2**40), st.integers(1, 5), st.binary(max_size=9000)), max_size=12),
+       cuts=st.lists(st.integers(1, 5000), max_size=12))
+def test_the_calls_read_from_a_pipe_in_any_pieces_are_the_calls_written(calls, cuts):
+    """`Calls.read` on a real pipe written in arbitrary pieces (headers and payloads split anywhere): every call comes
+    out whole, in order, and the end of the input is None."""
+    import threading
+
+    from realtime.audio.encoder_worker import Calls
+
+    data = b"".join(HEADER.pack(stream, op, len(payload)) + payload for stream, op, payload in calls)
+    read_end, write_end = os.pipe()
+
+    def write() -> None:
+        at = 0
+        for cut in cuts:
+            os.write(write_end, data[at:at + cut])
+            at += cut
+        os.write(write_end, data[at:])
+        os.close(write_end)
+    writer = threading.Thread(target=write)
+    writer.start()
+    got, reader = [], Calls(read_end)
+    try:
+        while (batch := reader.read()) is not None:
+            assert batch
+            got += batch
+    finally:
+        writer.join()
+        os.close(read_end)
+    assert got == calls

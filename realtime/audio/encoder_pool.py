@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import VoxgateError
-from realtime.audio.encoder_worker import CLOSE, ENCODE, FINISH, FRAME, HEADER, OK, OPEN
+from realtime.audio.encoder_worker import CLOSE, ENCODE, FINISH, FRAME, HEADER, OK, OPEN, OPEN_CONTINUING
 from realtime.audio.formats import AudioFormat, EncodedFrame
 
 log = logging.getLogger("voxgate")
@@ -188,8 +188,10 @@ class EncoderPool:
             start_new_session=True)
         return worker
 
-    def open(self, fmt: AudioFormat) -> PooledEncoder:
-        """A new stream's encoder, on the live worker with the fewest open streams (a dead one is being replaced)."""
+    def open(self, fmt: AudioFormat, continuing: bool = False) -> PooledEncoder:
+        """A new stream's encoder, on the live worker with the fewest open streams (a dead one is being replaced).
+        `continuing`: the stream goes on from audio already sent (a context's encoder after a flush), so its first
+        chunk is not first audio and does not go ahead of other streams' (`first_audio_first`)."""
         if not self._workers:
             raise EncoderFailed("the audio encoders are not running")
         for worker in self._workers:
@@ -198,7 +200,7 @@ class EncoderPool:
         live = [worker for worker in self._workers if worker.dead is None]
         if not live:
             raise EncoderFailed("no audio encoder process is running; try again shortly")
-        return PooledEncoder(min(live, key=lambda w: w.streams), next(self._ids), fmt.check())
+        return PooledEncoder(min(live, key=lambda w: w.streams), next(self._ids), fmt.check(), continuing)
 
     def _replace(self, dead: _Process) -> None:
         """Start a worker in the dead one's place; until it runs, the streams opened go to the others."""
@@ -221,12 +223,12 @@ class EncoderPool:
 class PooledEncoder:
     """One stream's `StreamEncoder`, in a worker: the same calls, awaited."""
 
-    def __init__(self, worker: _Process, stream: int, fmt: AudioFormat) -> None:
+    def __init__(self, worker: _Process, stream: int, fmt: AudioFormat, continuing: bool = False) -> None:
         self.format = fmt
         self._worker, self._stream = worker, stream
         self._samples_out = 0
         self._open = True
-        worker.send(stream, OPEN, json.dumps(asdict(fmt)).encode())
+        worker.send(stream, OPEN_CONTINUING if continuing else OPEN, json.dumps(asdict(fmt)).encode())
         worker.streams += 1
 
     @property

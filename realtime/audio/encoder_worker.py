@@ -5,14 +5,16 @@ first: `first_audio_first`), so the gateway's event loop never shares a GIL with
 CPU; docs/benchmarks.md).
 
 The pipe protocol, both ways a header `<QBI` (stream, op or status, payload length) and the payload:
-- `OPEN` (the `AudioFormat` as JSON), `ENCODE` (float32 samples at the model's rate), `FINISH` (one byte: a whole last
-  frame), `CLOSE` (nothing). `ENCODE` and `FINISH` are answered, in order, the others not; `FINISH` frees the stream.
+- `OPEN` (the `AudioFormat` as JSON; `OPEN_CONTINUING` for a stream that goes on from audio already sent), `ENCODE`
+  (float32 samples at the model's rate), `FINISH` (one byte: a whole last frame), `CLOSE` (nothing). `ENCODE` and
+  `FINISH` are answered, in order, the others not; `FINISH` frees the stream.
 - The answer: `OK` and the frames, each `<II` (samples, payload length) and its payload; or `FAILED` and a message.
 """
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import struct
 import sys
@@ -25,9 +27,10 @@ from realtime.audio.formats import AudioFormat
 
 HEADER = struct.Struct("<QBI")
 FRAME = struct.Struct("<II")
-OPEN, ENCODE, FINISH, CLOSE = 1, 2, 3, 4
+OPEN, ENCODE, FINISH, CLOSE, OPEN_CONTINUING = 1, 2, 3, 4, 5
 OK, FAILED = 0, 1
 READ_BYTES = 1 << 20
+PIECE_WAIT_S = 0.001  # a half-read call's rest, if it is on its way
 
 
 def pack_frames(frames: list) -> bytes:
@@ -38,26 +41,39 @@ def pack_frames(frames: list) -> bytes:
 class Worker:
     def __init__(self) -> None:
         self.encoders: dict[int, StreamEncoder] = {}
+        self.continuing: set[int] = set()  # open streams that go on from audio already sent (`OPEN_CONTINUING`)
 
     def handle(self, stream: int, op: int, payload: bytes) -> tuple[int, bytes] | None:
         """One call; its answer (status, payload), or None for a call that has none."""
         try:
-            if op == OPEN:
+            if op in (OPEN, OPEN_CONTINUING):
                 self.encoders[stream] = StreamEncoder(AudioFormat(**json.loads(payload)))
+                if op == OPEN_CONTINUING:
+                    self.continuing.add(stream)
                 return None
             if op == CLOSE:
-                self.encoders.pop(stream, None)
+                self._forget(stream)
                 return None
             encoder = self.encoders[stream]
             if op == ENCODE:
                 return OK, pack_frames(encoder.encode(np.frombuffer(payload, np.float32)))
             if op == FINISH:
-                del self.encoders[stream]
+                self._forget(stream)
                 return OK, pack_frames(encoder.finish(whole_frame=payload == b"\x01"))
             raise ValueError(f"unknown op {op}")
         except Exception as failure:  # the stream's own fault (a bad format, a call after its end): it alone fails
-            self.encoders.pop(stream, None)
-            return None if op in (OPEN, CLOSE) else (FAILED, f"{type(failure).__name__}: {failure}".encode())
+            self._forget(stream)
+            return None if op in (OPEN, OPEN_CONTINUING, CLOSE) else (
+                FAILED, f"{type(failure).__name__}: {failure}".encode())
+
+    def started(self, stream: int) -> bool:
+        """Whether the stream's audio has begun (given out here, or before it, `OPEN_CONTINUING`)."""
+        encoder = self.encoders.get(stream)
+        return encoder is not None and (encoder.samples_out > 0 or stream in self.continuing)
+
+    def _forget(self, stream: int) -> None:
+        self.encoders.pop(stream, None)
+        self.continuing.discard(stream)
 
 
 class Calls:
@@ -69,9 +85,12 @@ class Calls:
 
     def read(self) -> list[tuple[int, int, bytes]] | None:
         """Every whole call waiting (at least one: it blocks until one is whole), in order; None at the end of the
-        input (the gateway closed the pipe: time to go)."""
+        input (the gateway closed the pipe: time to go). A write longer than the pipe's atomic size can reach the
+        reader in pieces: while a call is half-read, the rest is waited for briefly (`PIECE_WAIT_S`), so that the
+        calls of one write are read together (and ordered together, `first_audio_first`)."""
+        calls: list[tuple[int, int, bytes]] = []
         while True:
-            calls, at = [], 0
+            at = 0
             while len(self._buffer) - at >= HEADER.size:
                 stream, op, length = HEADER.unpack_from(self._buffer, at)
                 if len(self._buffer) - at - HEADER.size < length:
@@ -79,22 +98,20 @@ class Calls:
                 calls.append((stream, op, bytes(self._buffer[at + HEADER.size:at + HEADER.size + length])))
                 at += HEADER.size + length
             del self._buffer[:at]
-            if calls:
+            if calls and (not self._buffer or not select.select([self._fd], [], [], PIECE_WAIT_S)[0]):
                 return calls
             data = os.read(self._fd, READ_BYTES)
             if not data:
-                return None
+                return calls or None
             self._buffer += data
 
 
 def first_audio_first(calls: list[tuple[int, int, bytes]], worker: Worker) -> list[tuple[int, int, bytes]]:
-    """The calls of streams that have given out no audio yet go ahead of the rest, each stream's in its own order:
+    """The calls of streams whose audio has not begun go ahead of the rest, each stream's in its own order:
     every engine step hands the gateway a chunk for each of its streams at once, and a new context's first audio
     (its time to first audio) waited behind the chunks of those that were already speaking."""
-    def started(call: tuple[int, int, bytes]) -> bool:
-        encoder = worker.encoders.get(call[0])
-        return encoder is not None and encoder.samples_out > 0
-    return sorted(calls, key=started)
+    continuing = {stream for stream, op, _ in calls if op == OPEN_CONTINUING}  # opened in this very batch
+    return sorted(calls, key=lambda call: worker.started(call[0]) or call[0] in continuing)
 
 
 def serve(inbox: int, outbox: BinaryIO) -> None:

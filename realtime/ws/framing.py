@@ -57,7 +57,7 @@ class AudioFramer:
             self._encoded_samples = 0
             self._discontinuity = self.format.encoding == "opus"
         self.encoder.close()
-        self.encoder = self.encoders.open(self.format)
+        self.encoder = self.encoders.open(self.format, continuing=self.sent_first)
 
     def close(self) -> None:
         """The context is over: its encoder's state is freed (finished or not)."""
