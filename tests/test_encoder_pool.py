@@ -305,3 +305,16 @@ def test_the_calls_read_from_a_pipe_in_any_pieces_are_the_calls_written(calls, c
         writer.join()
         os.close(read_end)
     assert got == calls
+
+
+def test_the_pipe_to_a_worker_holds_a_bursts_calls():
+    """A loop turn's calls to a worker in a burst (~250 KB) fit its pipe, so they reach it in one piece (Linux)."""
+    import fcntl
+
+    async def size() -> int:
+        async with running_pool(1) as pool:
+            pipe = pool._workers[0].transport.get_pipe_transport(0).get_extra_info("pipe")
+            return fcntl.fcntl(pipe.fileno(), fcntl.F_GETPIPE_SZ)
+    if not hasattr(fcntl, "F_GETPIPE_SZ"):
+        pytest.skip("the pipe's size is Linux's")
+    assert asyncio.run(size()) >= 256 * 1024

@@ -25,7 +25,7 @@ class Outgoing:
 
     def split_first(self) -> tuple[Outgoing, Outgoing | None]:
         """The first message as an item of its own (with `on_sent`), and the rest (None if there is none)."""
-        if len(self.messages) == 1:
+        if len(self.messages) <= 1:
             return self, None
         ms = self.message_ms or [0.0] * len(self.messages)
         return (Outgoing(self.messages[:1], self.context_id, ms[:1], self.on_sent),
