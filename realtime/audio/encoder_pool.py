@@ -45,11 +45,13 @@ def default_workers() -> int:
 def _widen(pipe: asyncio.BaseTransport) -> None:
     """The pipe to a worker holds `PIPE_BYTES` where Linux allows it (64 KiB by default): a loop turn's calls to a
     worker in a burst (a chunk for each of its ~32 streams, ~250 KB of float32) then reach it in one piece and are
-    ordered together, instead of a pipe's worth at a time, the rest a loop turn later."""
+    ordered together, instead of a pipe's worth at a time, the rest a loop turn later. (Under uvloop the worker's
+    input is a socket pair, not a pipe: the call fails and is skipped.)"""
     set_size = getattr(fcntl, "F_SETPIPE_SZ", None)
-    if set_size is not None:
+    handle = pipe.get_extra_info("pipe") or pipe.get_extra_info("socket")  # asyncio's file; uvloop's pseudo-socket
+    if set_size is not None and handle is not None:
         with contextlib.suppress(OSError):
-            fcntl.fcntl(pipe.get_extra_info("pipe").fileno(), set_size, PIPE_BYTES)
+            fcntl.fcntl(handle.fileno(), set_size, PIPE_BYTES)
 
 
 class _Process(asyncio.SubprocessProtocol):
