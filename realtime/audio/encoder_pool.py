@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import VoxgateError
-from realtime.audio.encoder_worker import CLOSE, ENCODE, FINISH, FRAME, HEADER, OK, OPEN, OPEN_CONTINUING
+from realtime.audio.encoder_worker import CLOSE, ENCODE, FINISH, FRAME, HEADER, OK, OPEN, OPEN_CONTINUING, take_messages
 from realtime.audio.formats import AudioFormat, EncodedFrame
 
 log = logging.getLogger("voxgate")
@@ -106,15 +106,8 @@ class _Process(asyncio.SubprocessProtocol):
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
         self._received += data
-        at = 0
-        while len(self._received) - at >= HEADER.size:
-            stream, status, length = HEADER.unpack_from(self._received, at)
-            if len(self._received) - at - HEADER.size < length:
-                break
-            payload = bytes(self._received[at + HEADER.size:at + HEADER.size + length])
-            at += HEADER.size + length
+        for stream, status, payload in take_messages(self._received):
             self._answer(stream, status, payload)
-        del self._received[:at]
 
     def _answer(self, stream: int, status: int, payload: bytes) -> None:
         queue = self.due.get(stream)

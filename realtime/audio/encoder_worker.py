@@ -78,6 +78,20 @@ class Worker:
         self.continuing.discard(stream)
 
 
+def take_messages(buffer: bytearray) -> list[tuple[int, int, bytes]]:
+    """The whole messages (stream, op or status, payload) at the start of `buffer`, taken out of it; a message still
+    half there stays (the pipe protocol above, either way)."""
+    messages, at = [], 0
+    while len(buffer) - at >= HEADER.size:
+        stream, code, length = HEADER.unpack_from(buffer, at)
+        if len(buffer) - at - HEADER.size < length:
+            break
+        messages.append((stream, code, bytes(buffer[at + HEADER.size:at + HEADER.size + length])))
+        at += HEADER.size + length
+    del buffer[:at]
+    return messages
+
+
 class Calls:
     """The calls that have arrived on the pipe, read in whatever pieces it delivers."""
 
@@ -92,14 +106,7 @@ class Calls:
         calls of one write are read together (and ordered together, `first_audio_first`)."""
         calls: list[tuple[int, int, bytes]] = []
         while True:
-            at = 0
-            while len(self._buffer) - at >= HEADER.size:
-                stream, op, length = HEADER.unpack_from(self._buffer, at)
-                if len(self._buffer) - at - HEADER.size < length:
-                    break
-                calls.append((stream, op, bytes(self._buffer[at + HEADER.size:at + HEADER.size + length])))
-                at += HEADER.size + length
-            del self._buffer[:at]
+            calls += take_messages(self._buffer)
             if calls and (not self._buffer or not select.select([self._fd], [], [], PIECE_WAIT_S)[0]):
                 return calls
             data = os.read(self._fd, READ_BYTES)
