@@ -7,7 +7,9 @@ one text vector per generated frame, then `tts_pad` forever.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property, partial
 
 import torch
 
@@ -32,10 +34,18 @@ class Voice:
 @dataclass
 class Prompt:
     prefill: torch.Tensor  # [P, H]
-    trailing_text: torch.Tensor  # [N, H]: text track of decode steps 0..N-1
-    pad: torch.Tensor  # [H]: text track after that
+    pad: torch.Tensor  # [H]: text track after the trailing text
     trailing_ids: list[int]  # the ids behind trailing_text (tts_eos included)
     pad_id: int
+    # builds trailing_text when first asked: only the single-request path reads the vectors; the engine feeds the
+    # ids, which its step embeds, so a request it admits costs no kernels for them
+    build_trailing: Callable[[], torch.Tensor]
+
+    @cached_property
+    def trailing_text(self) -> torch.Tensor:
+        """[N, H]: the text track of decode steps 0..N-1."""
+        with torch.inference_mode():
+            return self.build_trailing()
 
     def text_track(self, step: int) -> torch.Tensor:
         return self.trailing_text[step] if step < self.trailing_text.shape[0] else self.pad
@@ -57,13 +67,15 @@ def language_id(config: ModelConfig, language: str, speaker: str | None) -> int 
 
 PREFIXES_KEPT = 64  # voices (with their instruction, language and role) whose prompt prefix is kept
 PREFIX_ROWS_KEPT = 256  # the longest prefix kept (~1 MB at the 1.7B's width): at most ~64 MB in all
+FIRST_TOKENS_KEPT = 4096  # text vectors of a streaming prompt's first token kept (4 KB each at the 1.7B's width)
 
 
 class PromptBuilder:
     """Builds prompts; what every prompt of a voice shares (the special tokens' text vectors, the prefix of
-    instruction, role and codec tags) is computed once and kept, so that a burst of new requests costs a few small
-    kernels each (docs/benchmarks.md, "Where a burst's time goes"). A kept prefix is the very tensor a new build
-    would compute: the same kernels on the same inputs."""
+    instruction, role and codec tags) is computed once and kept, and so is the text vector of a streaming prompt's
+    first token, so that a burst of new requests costs two small kernels each (docs/benchmarks.md, "Where a burst's
+    time goes", "A burst's admission"). What is kept is the very tensor a new build would compute: the same kernels
+    on the same inputs."""
 
     def __init__(self, config: ModelConfig, talker: Talker) -> None:
         self.config = config
@@ -71,6 +83,7 @@ class PromptBuilder:
         self._special: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # (speaker, role, instruction, language) -> the prefix pieces and C(codec_bos)
         self._prefixes: OrderedDict[tuple, tuple[list[torch.Tensor], torch.Tensor]] = OrderedDict()
+        self._first_tokens: OrderedDict[int, torch.Tensor] = OrderedDict()  # id -> its text vector [1, H]
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return upload(torch.tensor(ids, dtype=torch.long), self.talker.codec_head.weight.device)
@@ -91,15 +104,32 @@ class PromptBuilder:
         if voice.ref_codes is not None:
             body, trailing, trailing_ids = self._icl(voice, text_ids, codec_bos, eos_t, pad_t, layout)
         elif layout == "streaming":
-            body = self.text(text_ids[:1]) + codec_bos
+            body = self._first_token(text_ids) + codec_bos
             trailing_ids = [*text_ids[1:], cfg.tts_eos_token_id]
-            trailing = torch.cat((self.text(text_ids[1:]), eos_t[None]))
+            trailing = partial(self._with_eos, text_ids[1:], eos_t)  # a copy: the caller's list may grow
         else:
             text_part = torch.cat((self.text(text_ids), eos_t[None]))
             body = torch.cat((text_part + self.codec([cfg.talker.codec_pad_id]), (pad_t + codec_bos)[None]))
-            trailing_ids, trailing = [], _no_text(pad_t)
-        return Prompt(prefill=torch.cat([*prefix, body]), trailing_text=trailing, pad=pad_t,
-                      trailing_ids=trailing_ids, pad_id=cfg.tts_pad_token_id)
+            trailing_ids, trailing = [], partial(_no_text, pad_t)
+        return Prompt(prefill=torch.cat([*prefix, body]), pad=pad_t, trailing_ids=trailing_ids,
+                      pad_id=cfg.tts_pad_token_id, build_trailing=trailing)
+
+    def _with_eos(self, ids: list[int], eos_t: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.text(ids), eos_t[None]))
+
+    def _first_token(self, text_ids: list[int]) -> torch.Tensor:
+        """T(first id) [1, H] (none: [0, H]), kept: what `self.text(text_ids[:1])` computes."""
+        if not text_ids:
+            return self.text([])
+        first = text_ids[0]
+        kept = self._first_tokens.get(first)
+        if kept is None:
+            kept = self._first_tokens[first] = self.text([first])
+            if len(self._first_tokens) > FIRST_TOKENS_KEPT:
+                self._first_tokens.popitem(last=False)
+        else:
+            self._first_tokens.move_to_end(first)
+        return kept
 
     def _kept_prefix(self, voice: Voice, role_ids: list[int], instruct_ids: list[int] | None, language: str,
                      bos_t: torch.Tensor, pad_t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -148,22 +178,24 @@ class PromptBuilder:
         return None
 
     def _icl(self, voice: Voice, text_ids: list[int], codec_bos: torch.Tensor, eos_t: torch.Tensor,
-             pad_t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+             pad_t: torch.Tensor, layout: str) -> tuple[torch.Tensor, Callable[[], torch.Tensor], list[int]]:
         """Reference transcript + target text against codec bos + the reference frames.
 
-        Returns the prefill body and the text track left for the decode steps, as vectors and as ids."""
+        Returns the prefill body and the text track left for the decode steps, as a builder of its vectors and as
+        ids."""
         ids = [*voice.ref_text_ids, *text_ids]
         text = torch.cat((self.text(ids), eos_t[None]))
         ref = voice.ref_codes.to(codec_bos.device)
         codec = torch.cat((codec_bos[None], self.talker.frame_embed(ref)))
         if layout == "prefill":
             body = torch.cat((text + self.codec([self.config.talker.codec_pad_id]), codec + pad_t))
-            return body, _no_text(pad_t), []
+            return body, partial(_no_text, pad_t), []
         n = codec.shape[0]
         if text.shape[0] > n:
-            return text[:n] + codec, text[n:], [*ids, self.config.tts_eos_token_id][n:]
+            rest = text[n:]
+            return text[:n] + codec, lambda: rest, [*ids, self.config.tts_eos_token_id][n:]
         padded = torch.cat((text, pad_t.expand(n - text.shape[0], -1)))
-        return padded + codec, _no_text(pad_t), []
+        return padded + codec, partial(_no_text, pad_t), []
 
 
 def _no_text(pad_t: torch.Tensor) -> torch.Tensor:

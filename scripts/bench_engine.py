@@ -10,6 +10,7 @@ its arithmetic rate, and its agreement with an fp32 decode on the CPU). Usage:
     python scripts/bench_engine.py --size 1b7 --parts check,single,scaling,offline,load --rates 10,20,40
     python scripts/bench_engine.py --size 1b7 --parts decoder,eager_decoder
     python scripts/bench_engine.py --size 1b7 --parts first_audio --repeats 20
+    python scripts/bench_engine.py --size 1b7 --parts admission --burst 64 --repeats 10
     python scripts/bench_engine.py --size 1b7 --parts streaming --sessions 10,40 --token-rates 20-80,5-10
 """
 from __future__ import annotations
@@ -243,6 +244,28 @@ class Bench:
             del runner.prefill, decoding.start, decoding.queue, decoding.collect
         out = {f"{name}_ms_p50": percentile(times, 50) * 1e3 for name, times in phases.items()}
         return out | self._prefill_timing(engine)
+
+    def admission(self) -> dict:
+        """A burst's admission, as a busy server's engine pays it: `--burst` streaming-text requests with their first
+        words in, admitted by one call, timed on the host without a synchronisation (the GPU work is queued, not
+        waited for); ms per request, the first burst (nothing kept from earlier prompts) and the p50 of the rest."""
+        engine = self.engine()
+        bursts = []
+        for seed in range(self.args.repeats):
+            texts = [text_of(2.0, random.Random(1000 * seed + i)) for i in range(self.args.burst)]
+            ids = [engine.submit(replace(self.request(8, 1000 * seed + i, text), text_complete=False, max_frames=None))
+                   for i, text in enumerate(texts)]
+            synchronize()
+            start = time.perf_counter()
+            engine._admit()
+            bursts.append((time.perf_counter() - start) / len(ids))
+            assert all(engine.scheduler.find(i) in engine.scheduler.running.values() for i in ids)
+            for request_id in ids:
+                engine.cancel(request_id)
+            while not engine.idle():
+                engine.step()
+        return dict(burst=self.args.burst, first_ms_per_request=round(bursts[0] * 1e3, 3),
+                    ms_per_request_p50=round(percentile(bursts[1:] or bursts, 50) * 1e3, 3))
 
     def _prefill_timing(self, engine: Engine) -> dict:
         """The served prefill (padded, graphed) against the eager varlen pass, on the same prompts in free slots."""
@@ -676,6 +699,7 @@ def main() -> None:
                         help="Python threads spinning beside the engine (its sensitivity to the GIL)")
     parser.add_argument("--streaming-lengths", choices=["fixed", "guard"], default="fixed",
                         help="streaming: 2-12 s per context, or until the runaway guard (random weights: as served)")
+    parser.add_argument("--burst", type=int, default=64, help="requests admitted at once (`admission`)")
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--chunk-frames", type=int, default=4)
