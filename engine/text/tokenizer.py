@@ -59,6 +59,7 @@ class TextTokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._role_ids = tuple(self.encode(ROLE_PREFIX))  # every prompt has it: encoded once, not per request
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -69,7 +70,7 @@ class TextTokenizer:
         return ids[:3], ids[3:-5]
 
     def role_ids(self) -> list[int]:
-        return self.encode(ROLE_PREFIX)
+        return list(self._role_ids)
 
     def reference_text(self, text: str) -> list[int]:
         """Text ids of a voice-clone reference transcript."""
