@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
@@ -221,33 +220,6 @@ def test_a_new_streams_first_audio_arriving_during_a_backlog_waits_for_one_call_
     expected = StreamEncoder(AudioFormat(sample_rate=48000))
     for (_, status, payload), seed in zip([a for a in answers if a[0] == 1], range(backlog)):
         assert status == OK and payload == pack_frames(expected.encode(speech_like(seed, 1920 * 4)))
-
-
-def test_calls_arrived_never_waits_for_a_half_written_calls_rest():
-    """A worker with calls to run takes what has arrived and goes on: a call half there is left for later, not waited
-    for (its rest may wait for the gateway's next loop turn); nothing, then the call once whole, then the end."""
-    from realtime.audio.encoder_worker import Calls
-
-    def arrived() -> list | None:
-        """`calls.arrived()`, which must return at once (a thread of its own, so that a wait fails, not hangs)."""
-        got: list = []
-        reader = threading.Thread(target=lambda: got.append(calls.arrived()), daemon=True)
-        reader.start()
-        reader.join(2)
-        assert not reader.is_alive(), "arrived() waited"
-        return got[0]
-
-    read_end, write_end = os.pipe()
-    message = HEADER.pack(7, ENCODE, 6) + b"abcdef"
-    calls = Calls(read_end)
-    os.write(write_end, message[:HEADER.size + 2])
-    assert arrived() == []
-    assert arrived() == []  # nothing more has come
-    os.write(write_end, message[HEADER.size + 2:])
-    assert arrived() == [(7, ENCODE, b"abcdef")]
-    os.close(write_end)
-    assert arrived() is None
-    os.close(read_end)
 
 
 @settings(max_examples=200, deadline=None)

@@ -99,17 +99,9 @@ class Calls:
         self._fd = fd
         self._buffer = bytearray()
 
-    def arrived(self) -> list[tuple[int, int, bytes]] | None:
-        """The whole calls among what has arrived, never waiting (a call half there stays for a later read); None at
-        the end of the input. For a worker with calls to run: the rest of a half-written call may wait for the
-        gateway's next loop turn (under uvloop the pipe is a socket pair that takes a large write in pieces)."""
-        if not select.select([self._fd], [], [], 0)[0]:
-            return []
-        data = os.read(self._fd, READ_BYTES)
-        if not data:
-            return None
-        self._buffer += data
-        return take_messages(self._buffer)
+    def waiting(self) -> bool:
+        """Whether more has arrived (never blocks)."""
+        return bool(select.select([self._fd], [], [], 0)[0])
 
     def read(self) -> list[tuple[int, int, bytes]] | None:
         """Every whole call waiting (at least one: it blocks until one is whole), in order; None at the end of the
@@ -136,21 +128,19 @@ def first_audio_first(calls: list[tuple[int, int, bytes]], worker: Worker) -> li
 
 
 def serve(inbox: int, outbox: BinaryIO) -> None:
-    """Run the calls until the gateway closes the pipe. Between two calls the pipe is looked at again, without
-    waiting, and the calls that have arrived join those still waiting (`first_audio_first`): a new stream's first
-    audio waits for the call under way, not for every call read before it (a burst's backlog is tens of calls,
-    milliseconds each). Waiting there for a half-written call's rest stalled the backlog behind the gateway's busy
-    loop (docs/benchmarks.md)."""
+    """Run the calls until the gateway closes the pipe. Between two calls the pipe is looked at again, and what has
+    arrived joins the calls still waiting (`first_audio_first`): a new stream's first audio waits for the call under
+    way, not for every call read before it (a burst's backlog is tens of calls, milliseconds each)."""
     worker, calls = Worker(), Calls(inbox)
     backlog: list[tuple[int, int, bytes]] = []
     reading = True
     while backlog or reading:
-        batch = (calls.arrived() if backlog else calls.read()) if reading else []
-        if batch is None:
-            reading = False
-        elif batch:
-            backlog = first_audio_first(backlog + batch, worker)
-        if not backlog:
+        if reading and (not backlog or calls.waiting()):
+            batch = calls.read()
+            if batch is None:
+                reading = False
+            else:
+                backlog = first_audio_first(backlog + batch, worker)
             continue
         stream, op, payload = backlog.pop(0)
         answer = worker.handle(stream, op, payload)
