@@ -189,39 +189,6 @@ def test_a_worker_answers_a_new_streams_first_audio_ahead_of_calls_waiting_befor
         assert status == OK and payload == pack_frames(expected.encode(speech_like(seed, 1920)))
 
 
-def test_a_new_streams_first_audio_arriving_during_a_backlog_waits_for_one_call_not_the_backlog():
-    """A real worker given a backlog of 100 chunks of a stream already speaking, in one write; once it has answered
-    the first, a new stream's first chunk arrives: it is answered long before the backlog is through (the worker
-    looks at its pipe between calls), and every chunk of the backlog still comes, in order."""
-    def call(stream: int, op: int, payload: bytes = b"") -> bytes:
-        return HEADER.pack(stream, op, len(payload)) + payload
-
-    def answer(pipe) -> tuple[int, int, bytes]:
-        stream, status, length = HEADER.unpack(pipe.read(HEADER.size))
-        return stream, status, pipe.read(length)
-
-    opus = json.dumps(asdict(AudioFormat(sample_rate=48000))).encode()
-    backlog = 100
-    worker = subprocess.Popen([sys.executable, "-m", "realtime.audio.encoder_worker"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE)
-    try:
-        worker.stdin.write(call(1, OPEN, opus) + b"".join(call(1, ENCODE, speech_like(seed, 1920 * 4).tobytes())
-                                                          for seed in range(backlog)))
-        worker.stdin.flush()
-        answers = [answer(worker.stdout)]  # the backlog is under way
-        worker.stdin.write(call(2, OPEN, opus) + call(2, ENCODE, speech_like(0, 1920).tobytes()))
-        worker.stdin.flush()
-        answers += [answer(worker.stdout) for _ in range(backlog)]
-    finally:
-        worker.stdin.close()
-        worker.wait(10)
-    streams = [stream for stream, _, _ in answers]
-    assert streams.index(2) <= backlog // 2 and streams.count(1) == backlog
-    expected = StreamEncoder(AudioFormat(sample_rate=48000))
-    for (_, status, payload), seed in zip([a for a in answers if a[0] == 1], range(backlog)):
-        assert status == OK and payload == pack_frames(expected.encode(speech_like(seed, 1920 * 4)))
-
-
 @settings(max_examples=200, deadline=None)
 @given(calls=st.lists(st.tuples(st.integers(0, 5), st.sampled_from([ENCODE, CLOSE])), max_size=30),
        started=st.sets(st.integers(0, 5)))

@@ -1,8 +1,8 @@
 """An encoder process of the gateway's `EncoderPool` (`python -m realtime.audio.encoder_worker`): it holds the
 `StreamEncoder`s of the streams given to it and runs their calls one after another (of those waiting, a new stream's
-first, also ahead of calls read before it: `first_audio_first`, `serve`), so the gateway's event loop never shares
-a GIL with libopus, soxr and their numpy glue (one process did ~130 audio s per wall s over many threads on the H100
-host: the threads waited for the GIL, not the CPU; docs/benchmarks.md).
+first: `first_audio_first`), so the gateway's event loop never shares a GIL with libopus, soxr and their numpy glue
+(one process did ~130 audio s per wall s over many threads on the H100 host: the threads waited for the GIL, not the
+CPU; docs/benchmarks.md).
 
 The pipe protocol, both ways a header `<QBI` (stream, op or status, payload length) and the payload:
 - `OPEN` (the `AudioFormat` as JSON; `OPEN_CONTINUING` for a stream that goes on from audio already sent), `ENCODE`
@@ -99,10 +99,6 @@ class Calls:
         self._fd = fd
         self._buffer = bytearray()
 
-    def waiting(self) -> bool:
-        """Whether more has arrived (never blocks)."""
-        return bool(select.select([self._fd], [], [], 0)[0])
-
     def read(self) -> list[tuple[int, int, bytes]] | None:
         """Every whole call waiting (at least one: it blocks until one is whole), in order; None at the end of the
         input (the gateway closed the pipe: time to go). A write longer than the pipe's atomic size can reach the
@@ -128,26 +124,14 @@ def first_audio_first(calls: list[tuple[int, int, bytes]], worker: Worker) -> li
 
 
 def serve(inbox: int, outbox: BinaryIO) -> None:
-    """Run the calls until the gateway closes the pipe. Between two calls the pipe is looked at again, and what has
-    arrived joins the calls still waiting (`first_audio_first`): a new stream's first audio waits for the call under
-    way, not for every call read before it (a burst's backlog is tens of calls, milliseconds each)."""
     worker, calls = Worker(), Calls(inbox)
-    backlog: list[tuple[int, int, bytes]] = []
-    reading = True
-    while backlog or reading:
-        if reading and (not backlog or calls.waiting()):
-            batch = calls.read()
-            if batch is None:
-                reading = False
-            else:
-                backlog = first_audio_first(backlog + batch, worker)
-            continue
-        stream, op, payload = backlog.pop(0)
-        answer = worker.handle(stream, op, payload)
-        if answer is not None:
-            status, data = answer
-            outbox.write(HEADER.pack(stream, status, len(data)) + data)
-            outbox.flush()
+    while (batch := calls.read()) is not None:
+        for stream, op, payload in first_audio_first(batch, worker):
+            answer = worker.handle(stream, op, payload)
+            if answer is not None:
+                status, data = answer
+                outbox.write(HEADER.pack(stream, status, len(data)) + data)
+                outbox.flush()
 
 
 def main() -> None:
