@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 
 from engine.core.codec_decoding import DecoderPool
@@ -176,7 +177,7 @@ class Decoding:
 
     def _decode(self, seqs: list[Sequence], offset: dict[Sequence, int], length: int) -> None:
         """Queue the decoding of frames offset[s]..offset[s]+length of each request's pending frames."""
-        codes = torch.stack([torch.stack(s.pending[offset[s]:offset[s] + length]) for s in seqs])
+        codes = torch.from_numpy(np.array([s.pending[offset[s]:offset[s] + length] for s in seqs]))  # [B, n, 16]
         audio = self.decoders.decode([s.slot for s in seqs], codes)
         owners = [(s, (s.decoded_frames + offset[s]) * self.samples_per_frame) for s in seqs]
         pending = self.overlap.to_host(owners, audio)

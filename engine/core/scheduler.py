@@ -236,8 +236,8 @@ class Scheduler(Generic[S]):
 
     def postprocess(self, seqs: list[Sequence], codes: torch.Tensor, eos: int) -> None:
         """Each request's new frame (codes [B, 16] on the host): EOS or its last frame ends it."""
-        for seq, frame in zip(seqs, codes):
-            if frame[0].item() == eos:
+        for seq, frame in zip(seqs, codes.numpy()):
+            if frame[0] == eos:
                 self.finish(seq, "eos")
                 continue
             seq.pending.append(frame)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from engine.errors import VoxgateError
 from engine.prompt import Prompt
@@ -23,7 +23,9 @@ class Sequence:
     room: int | None = None  # frames its KV slot holds after its prompt (known once the prompt is built)
     slot: int = -1
     frames: int = 0
-    pending: list[torch.Tensor] = field(default_factory=list)  # frames not yet queued for decoding
+    # frames not yet queued for decoding, each a row [16] of its step's codes (numpy: a step's hundreds of rows as
+    # tensor views cost microseconds each to make, stack and free, on the path from one step's codes to the next)
+    pending: list[np.ndarray] = field(default_factory=list)
     decoded_frames: int = 0
     done: str | None = None
     error: VoxgateError | None = None
