@@ -67,6 +67,15 @@ def data_frame(message: str | bytes) -> bytes:
     return DATA_HEAD_64.pack(opcode, 127, length) + data
 
 
+def _let_go(task: asyncio.Future) -> None:
+    """Cancel `task`, or, where it has ended with an exception, take it: nothing left to log 'Task exception was
+    never retrieved' (a hostile try: a client reset during a keepalive's wait logged two tracebacks each time)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
+
+
 def bytes_acked(transport: asyncio.BaseTransport) -> int | None:
     """How much of what this socket sent its peer has acknowledged (Linux's TCP_INFO); None where that is unknown."""
     sock = transport.get_extra_info("socket")
@@ -160,14 +169,16 @@ class GatewayWebSocketProtocol(WebSocketProtocol):
                 await asyncio.sleep(self.ping_interval)
                 acked = bytes_acked(self.transport)
                 pong = asyncio.ensure_future(self._ping_answered())
-                while not (await asyncio.wait({pong}, timeout=self.ping_timeout))[0]:
-                    now_acked = bytes_acked(self.transport)
-                    if acked is None or now_acked is None or now_acked <= acked:
-                        pong.cancel()
-                        self._close_unread()
-                        return
-                    acked = now_acked
-                pong.result()
+                try:
+                    while not (await asyncio.wait({pong}, timeout=self.ping_timeout))[0]:
+                        now_acked = bytes_acked(self.transport)
+                        if acked is None or now_acked is None or now_acked <= acked:
+                            self._close_unread()
+                            return
+                        acked = now_acked
+                    pong.result()
+                finally:  # this task cancelled (the connection lost) while the pong was awaited: the pong's goes too
+                    _let_go(pong)
         except ConnectionClosed:
             pass
         except Exception:  # as the library does: a failed keepalive is logged, never left in an unawaited task

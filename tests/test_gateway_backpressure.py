@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import http.client
 import json
+import logging
 import socket
+import struct
 import threading
 import time
 
@@ -313,3 +316,30 @@ def test_http_requests_holding_every_slot_they_may_leave_a_conversation_its_slot
         (connection, response), = last
         assert response.status == 200
         connection.close()
+
+
+def test_a_client_reset_while_its_pong_is_awaited_leaves_nothing_to_log(monkeypatch, caplog):
+    """A hostile try: a client that stopped reading (its pong waits behind unread audio), then reset its connection,
+    left the keepalive's pong task ending with an exception nobody took: 'Task exception was never retrieved' and
+    two tracebacks in the log, each time."""
+    monkeypatch.setattr(server_module, "PING_INTERVAL_S", 0.2)
+    monkeypatch.setattr(server_module, "PING_TIMEOUT_S", 30)
+    with running_server(Limits(send_queue_ms=60_000)) as server:
+        async def go():
+            ws, _ = await _small_window_session(server, 24000)
+            ws.transport.pause_reading()
+            await ws.send(json.dumps({"type": "text.append", "context_id": "a", "flush": True,
+                                      "text": "A long answer that keeps the model talking for a while. " * 3}))
+            await asyncio.sleep(0.8)  # pings sent, their pongs behind what the client does not read
+            ws.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                              struct.pack("ii", 1, 0))
+            ws.transport.abort()  # a reset
+            started = time.monotonic()
+            while server.gateway.sessions and time.monotonic() - started < 10:
+                await asyncio.sleep(0.05)
+            assert not server.gateway.sessions
+        with caplog.at_level(logging.ERROR):
+            asyncio.run(go())
+            time.sleep(0.3)
+            gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
