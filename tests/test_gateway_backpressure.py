@@ -11,6 +11,8 @@ import gc
 import http.client
 import json
 import logging
+import os
+import signal
 import socket
 import struct
 import threading
@@ -343,3 +345,35 @@ def test_a_client_reset_while_its_pong_is_awaited_leaves_nothing_to_log(monkeypa
             time.sleep(0.3)
             gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
+
+
+def test_audio_encoders_falling_behind_do_not_make_a_reading_client_a_slow_consumer():
+    """A hostile try: the gateway's encoder process stalled (SIGSTOP) for 8 s while a client read everything; the
+    audio waiting for the encoder passed the hard limit and the session ended with `slow_consumer`, a fault of the
+    server's called the client's. Here a 100 ms send queue (a 400 ms hard limit) and a 2.5 s stall: the context
+    ends normally, its audio delivered, no error (the encoder's catch-up may fill so short a queue: a warning)."""
+    with running_server(Limits(send_queue_ms=100)) as server:
+        async def go():
+            async with connect(server.ws) as ws:
+                assert json.loads(await ws.recv())["type"] == "session.started"
+                await ws.send(json.dumps({"type": "text.append", "context_id": "a",
+                                          "text": "A long answer that keeps the model talking for a while."}))
+                await ws.send(json.dumps({"type": "context.end", "context_id": "a"}))
+                events, frames = [], 0
+                while not events or events[-1]["type"] not in ("context.done", "error"):
+                    message = await asyncio.wait_for(ws.recv(), 30)
+                    if isinstance(message, bytes):
+                        if frames == 0:  # audio flows: the encoder stalls now
+                            workers = [w.pid for w in server.gateway.encoders._workers]
+                            for pid in workers:
+                                os.kill(pid, signal.SIGSTOP)
+                            await asyncio.sleep(2.5)
+                            for pid in workers:
+                                os.kill(pid, signal.SIGCONT)
+                        frames += 1
+                    else:
+                        events.append(json.loads(message))
+                return events, frames
+        events, frames = asyncio.run(go())
+    errors = [e for e in events if e["type"] == "error"]
+    assert not errors and events[-1]["type"] == "context.done" and frames > 10, (errors, events[-2:], frames)

@@ -3,7 +3,7 @@ its synthesis pauses: once the session's send queue is full its contexts stop en
 PAUSE_AFTER_MS of audio waiting behind that (or a send queue's worth, if less) its engine request pauses, keeping its
 slot, until half of it has gone out. A client that reads nothing for as long as the hard limit's audio would play (4
 send queues), a pause that lasts that long (a client that takes a chunk now and then), or a context whose waiting
-audio passes the hard limit all the same, ends the session with a fatal error."""
+audio passes the hard limit behind a full send queue all the same, ends the session with a fatal error."""
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +59,10 @@ class SlowConsumerPolicy:
                                                   " s; closing", fatal=True))
 
     def check_backlog(self, waiting_ms: float) -> None:
-        """A context's synthesized audio not yet encoded: past the hard limit the client does not read at all."""
-        if waiting_ms > self.hard_limit_ms:
+        """A context's synthesized audio not yet encoded: past the hard limit, behind a full send queue, the client
+        does not read at all. Behind a send queue with room the backlog is the server's own (its audio encoders fell
+        behind): no fault of the client's (a hostile try: an encoder stalled for 8 s ended reading sessions)."""
+        if waiting_ms > self.hard_limit_ms and self.outbox.queued_ms >= self.send_queue_ms:
             self._warn()
             self.abort(ProtocolError("slow_consumer", "the client does not read its audio; closing", fatal=True))
 
