@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from itertools import count
 from pathlib import Path
@@ -65,6 +66,7 @@ class _Process(asyncio.SubprocessProtocol):
         self.due: dict[int, deque[asyncio.Future[bytes]]] = {}  # stream -> its calls not yet answered, in order
         self.streams = 0  # open streams
         self.dead: EncoderFailed | None = None
+        self.on_death: Callable[[_Process], None] | None = None  # told once if it ends unasked (the pool replaces it)
         self._received = bytearray()
         self._unsent: list[bytes] = []  # calls of this loop turn, not yet written
         self._room = asyncio.Event()  # the pipe to the worker takes more (cleared while its buffer is over its mark)
@@ -140,7 +142,8 @@ class _Process(asyncio.SubprocessProtocol):
         self._exited.set_result(None)
 
     def _die(self, failure: EncoderFailed) -> None:
-        if self.dead is None:
+        ended_unasked = self.dead is None
+        if ended_unasked:
             log.error("%s", failure)
         self.dead = failure
         self._room.set()
@@ -149,6 +152,8 @@ class _Process(asyncio.SubprocessProtocol):
                 if not answer.done():
                     answer.set_exception(failure)
         self.due.clear()
+        if ended_unasked and self.on_death is not None:
+            self.on_death(self)
 
     async def stop(self) -> None:
         self.dead = self.dead or EncoderFailed("the audio encoders are stopping")
@@ -174,7 +179,14 @@ class EncoderPool:
         self._ids = count(1)
 
     async def start(self) -> None:
-        self._workers = [await self._spawn() for _ in range(self.size)]
+        self._workers = [await self._spawned() for _ in range(self.size)]
+
+    async def _spawned(self) -> _Process:
+        """A worker that the pool replaces at once if it dies: else the first stream opened after a crash found no
+        live worker (a hostile try: with one worker, that context was refused)."""
+        worker = await self._spawn()
+        worker.on_death = self._replace
+        return worker
 
     async def stop(self) -> None:
         workers, self._workers = self._workers, []
@@ -202,9 +214,6 @@ class EncoderPool:
         chunk is not first audio and does not go ahead of other streams' (`first_audio_first`)."""
         if not self._workers:
             raise EncoderFailed("the audio encoders are not running")
-        for worker in self._workers:
-            if worker.dead is not None and worker not in self._replacements:
-                self._replace(worker)
         live = [worker for worker in self._workers if worker.dead is None]
         if not live:
             raise EncoderFailed("no audio encoder process is running; try again shortly")
@@ -212,9 +221,12 @@ class EncoderPool:
 
     def _replace(self, dead: _Process) -> None:
         """Start a worker in the dead one's place; until it runs, the streams opened go to the others."""
+        if dead in self._replacements:
+            return
+
         async def replace() -> None:
             try:
-                fresh = await self._spawn()
+                fresh = await self._spawned()
             except OSError:
                 log.exception("could not restart an audio encoder process")
                 return
