@@ -70,6 +70,22 @@ PREFIX_ROWS_KEPT = 256  # the longest prefix kept (~1 MB at the 1.7B's width): a
 FIRST_TOKENS_KEPT = 4096  # text vectors of a streaming prompt's first token kept (4 KB each at the 1.7B's width)
 
 
+class _Kept(OrderedDict):
+    """What a builder keeps, bounded: past its limit the entry used longest ago goes."""
+
+    def find(self, key):
+        value = self.get(key)
+        if value is not None:
+            self.move_to_end(key)
+        return value
+
+    def keep(self, key, value, limit: int):
+        self[key] = value
+        if len(self) > limit:
+            self.popitem(last=False)
+        return value
+
+
 class PromptBuilder:
     """Builds prompts; what every prompt of a voice shares (the special tokens' text vectors, the prefix of
     instruction, role and codec tags) is computed once and kept, and so is the text vector of a streaming prompt's
@@ -82,8 +98,8 @@ class PromptBuilder:
         self.talker = talker
         self._special: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # (speaker, role, instruction, language) -> the prefix pieces and C(codec_bos)
-        self._prefixes: OrderedDict[tuple, tuple[list[torch.Tensor], torch.Tensor]] = OrderedDict()
-        self._first_tokens: OrderedDict[int, torch.Tensor] = OrderedDict()  # id -> its text vector [1, H]
+        self._prefixes: _Kept[tuple, tuple[list[torch.Tensor], torch.Tensor]] = _Kept()
+        self._first_tokens: _Kept[int, torch.Tensor] = _Kept()  # id -> its text vector [1, H]
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return upload(torch.tensor(ids, dtype=torch.long), self.talker.codec_head.weight.device)
@@ -122,14 +138,8 @@ class PromptBuilder:
         if not text_ids:
             return self.text([])
         first = text_ids[0]
-        kept = self._first_tokens.get(first)
-        if kept is None:
-            kept = self._first_tokens[first] = self.text([first])
-            if len(self._first_tokens) > FIRST_TOKENS_KEPT:
-                self._first_tokens.popitem(last=False)
-        else:
-            self._first_tokens.move_to_end(first)
-        return kept
+        kept = self._first_tokens.find(first)
+        return kept if kept is not None else self._first_tokens.keep(first, self.text([first]), FIRST_TOKENS_KEPT)
 
     def _kept_prefix(self, voice: Voice, role_ids: list[int], instruct_ids: list[int] | None, language: str,
                      bos_t: torch.Tensor, pad_t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -139,15 +149,12 @@ class PromptBuilder:
         if voice.xvector is not None:
             return self._prefix(voice, role_ids, instruct_ids, language, bos_t, pad_t)
         key = (voice.speaker, tuple(role_ids), None if instruct_ids is None else tuple(instruct_ids), language)
-        kept = self._prefixes.get(key)
+        kept = self._prefixes.find(key)
         if kept is not None:
-            self._prefixes.move_to_end(key)
             return kept
         prefix, codec_bos = self._prefix(voice, role_ids, instruct_ids, language, bos_t, pad_t)
         if sum(piece.shape[0] for piece in prefix) <= PREFIX_ROWS_KEPT:  # a long instruction is not kept
-            self._prefixes[key] = (prefix, codec_bos)
-            if len(self._prefixes) > PREFIXES_KEPT:
-                self._prefixes.popitem(last=False)
+            self._prefixes.keep(key, (prefix, codec_bos), PREFIXES_KEPT)
         return prefix, codec_bos
 
     def _prefix(self, voice: Voice, role_ids: list[int], instruct_ids: list[int] | None, language: str,

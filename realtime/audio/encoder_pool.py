@@ -179,14 +179,7 @@ class EncoderPool:
         self._ids = count(1)
 
     async def start(self) -> None:
-        self._workers = [await self._spawned() for _ in range(self.size)]
-
-    async def _spawned(self) -> _Process:
-        """A worker that the pool replaces at once if it dies: else the first stream opened after a crash found no
-        live worker (a hostile try: with one worker, that context was refused)."""
-        worker = await self._spawn()
-        worker.on_death = self._replace
-        return worker
+        self._workers = [await self._spawn() for _ in range(self.size)]
 
     async def stop(self) -> None:
         workers, self._workers = self._workers, []
@@ -195,8 +188,9 @@ class EncoderPool:
             task.cancel()
         await asyncio.gather(*(worker.stop() for worker in workers), *replacements, return_exceptions=True)
 
-    @staticmethod
-    async def _spawn() -> _Process:
+    async def _spawn(self) -> _Process:
+        """A worker that the pool replaces at once if it dies: else the first stream opened after a crash found no
+        live worker (a hostile try: with one worker, that context was refused)."""
         root = str(Path(__file__).resolve().parents[2])  # where `realtime` is, whoever started this process
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         # A session of its own, out of the server's process group: a Ctrl-C there must not stop the encoding of the
@@ -206,6 +200,7 @@ class EncoderPool:
             stdout=asyncio.subprocess.PIPE, stderr=None, env={**os.environ, "PYTHONPATH": path},
             start_new_session=True)
         _widen(worker.transport.get_pipe_transport(0))
+        worker.on_death = self._replace
         return worker
 
     def open(self, fmt: AudioFormat, continuing: bool = False) -> PooledEncoder:
@@ -220,13 +215,11 @@ class EncoderPool:
         return PooledEncoder(min(live, key=lambda w: w.streams), next(self._ids), fmt.check(), continuing)
 
     def _replace(self, dead: _Process) -> None:
-        """Start a worker in the dead one's place; until it runs, the streams opened go to the others."""
-        if dead in self._replacements:
-            return
-
+        """Start a worker in the dead one's place (told once, `_Process.on_death`); until it runs, the streams opened
+        go to the others."""
         async def replace() -> None:
             try:
-                fresh = await self._spawned()
+                fresh = await self._spawn()
             except OSError:
                 log.exception("could not restart an audio encoder process")
                 return
