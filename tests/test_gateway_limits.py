@@ -19,8 +19,8 @@ from websockets.protocol import State
 from websockets.uri import parse_uri
 
 from realtime.gateway import Limits
-from realtime.ws.backpressure import MAX_QUEUED_ITEMS
 from realtime.ws import speech_context
+from realtime.ws.backpressure import MAX_QUEUED_ITEMS
 from tests.gateway_server import SHORT_SPEECH, events_until_closed, running_server
 
 
@@ -577,26 +577,36 @@ def test_the_queue_depth_gauge_drops_when_queued_requests_are_cancelled():
         asyncio.run(go())
 
 
-def test_sessions_take_turns_for_the_engines_slots():
-    """A hostile try: one session held every slot with long contexts and queued more, and another session's context
-    waited behind all of them (37-61 s on the CPU's 8 slots). Sessions now take turns: the first slot that frees goes
-    to the session that runs nothing, before the holder's older queued contexts."""
+def test_one_session_leaves_slots_to_others_and_sessions_take_turns():
+    """Hostile tries: one session held every slot with long contexts and queued more, and another session's context
+    waited behind all of them (37-61 s on the CPU's 8 slots), then for one of them to end (36 s). A session now
+    holds at most the slots less a quarter (at least one): another session's context starts at once. Once those are
+    taken too, sessions take turns: the first slot that frees goes to a session that runs nothing, before the
+    holder's older queued contexts."""
     long_text = "word " * 200  # one utterance that runs for many steps: each context keeps its slot
-    with running_server(max_batch=2) as server:
+    with running_server(max_batch=4) as server:
+        async def speak(ws, name: str) -> None:
+            await ws.send(json.dumps({"type": "text.append", "context_id": name, "text": long_text}))
+            await ws.send(json.dumps({"type": "context.end", "context_id": name}))
+
+        async def first_audio(ws) -> None:
+            while not isinstance(message := await asyncio.wait_for(ws.recv(), 30), bytes):
+                assert json.loads(message)["type"] != "error", message
+
         async def go() -> None:
-            async with connect(server.ws) as hog, connect(server.ws) as other:
+            async with connect(server.ws) as hog, connect(server.ws) as other, connect(server.ws) as third:
                 reading = asyncio.create_task(_read_all(hog))
-                for name in ("a1", "a2", "a3", "a4"):
-                    await hog.send(json.dumps({"type": "text.append", "context_id": name, "text": long_text}))
-                    await hog.send(json.dumps({"type": "context.end", "context_id": name}))
-                await _until(lambda: server.metric("voxgate_engine_queue_depth") == 2)  # a3 and a4 wait
-                await other.send(json.dumps({"type": "text.append", "context_id": "b", "text": long_text}))
-                await other.send(json.dumps({"type": "context.end", "context_id": "b"}))
+                for name in ("a1", "a2", "a3", "a4", "a5"):
+                    await speak(hog, name)
+                await _until(lambda: server.metric("voxgate_engine_queue_depth") == 2)  # a4 and a5 wait
+                await speak(other, "b")
+                await first_audio(other)  # the spare slot: no context of the hog's had to end
+                assert server.metric("voxgate_engine_queue_depth") == 2
+                await speak(third, "c")
                 await _until(lambda: server.metric("voxgate_engine_queue_depth") == 3)
                 await hog.send(json.dumps({"type": "context.cancel", "context_id": "a1"}))  # one slot frees
-                while not isinstance(message := await asyncio.wait_for(other.recv(), 30), bytes):
-                    assert json.loads(message)["type"] != "error", message
-                assert server.metric("voxgate_engine_queue_depth") == 2  # a3 and a4 still wait
+                await first_audio(third)
+                assert server.metric("voxgate_engine_queue_depth") == 2  # a4 and a5 still wait
                 reading.cancel()
         asyncio.run(go())
 

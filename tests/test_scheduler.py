@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.engine import Engine, EngineConfig
-from engine.core.scheduler import ADMISSIONS, Scheduler, reserved_slots
+from engine.core.scheduler import ADMISSIONS, Scheduler, reserved_slots, spare_slots
 from engine.core.simulator import Arrival, CostModel, burst_workload, poisson_workload, simulate, summarize
 from engine.errors import EngineFull
 from engine.request import AudioChunk, SynthesisRequest
@@ -125,16 +125,25 @@ def test_owners_take_turns_for_the_slots(slots, owners, finished, admission):
 
     def admit_and_check() -> None:
         turns = Counter(r.owner for r in scheduler.running.values() if r.owner is not None)
+        free = len(scheduler.free_slots)
         candidates = [r for r in scheduler.waiting if r.ready()]
+
+        def rank(r: Waiting) -> int:
+            return 0 if r.owner is None else turns[r.owner]
+
+        def may_start(r: Waiting) -> bool:  # an owner holding half the slots leaves the spare ones
+            return free > (spare_slots(slots) if r.owner is not None and 2 * turns[r.owner] >= slots else 0)
+
         for request in scheduler.admit(lambda request: True):  # replayed turn by turn
-            def rank(r: Waiting) -> int:
-                return 0 if r.owner is None else turns[r.owner]
-            least = min(rank(r) for r in candidates)
-            assert request is min((r for r in candidates if rank(r) == least), key=lambda r: r.request_id)
+            least = min(rank(r) for r in candidates if may_start(r))
+            assert request is min((r for r in candidates if rank(r) == least and may_start(r)),
+                                  key=lambda r: r.request_id)
             candidates.remove(request)
+            free -= 1
             if request.owner is not None:
                 turns[request.owner] += 1
-        assert not candidates or not scheduler.free_slots
+        assert free == len(scheduler.free_slots)
+        assert not any(may_start(r) for r in candidates)
 
     admit_and_check()
     for index in finished:
@@ -156,6 +165,31 @@ def test_a_clients_first_request_goes_before_anothers_queue():
     scheduler.add(victim)
     scheduler.finish(hog[0], "eos")
     assert scheduler.admit(lambda request: True) == [victim]
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.integers(1, 64), hogged=st.integers(1, 130), others=st.integers(0, 20), data=st.data())
+def test_one_client_leaves_a_quarter_of_the_slots_to_the_others(slots, hogged, others, data):
+    """However many requests one client queues, it holds at most the slots less a quarter (at least one; all of an
+    engine of one slot), and that many requests of other clients arriving after it start at once; with requests of
+    others running, it never takes the last spare free slots once it holds half."""
+    scheduler = Scheduler(slots, max_prefill_batch=10**6)
+    spare = spare_slots(slots)
+    assert spare == (0 if slots == 1 else max(1, slots // 4))
+    for index in range(others if data.draw(st.booleans()) else 0):  # others first: the hog then arrives
+        scheduler.add(Waiting(1000 + index, True, f"early {index}"))
+    scheduler.admit(lambda request: True)
+    for index in range(hogged):
+        scheduler.add(Waiting(index, True, "hog"))
+    scheduler.admit(lambda request: True)
+    held = sum(r.owner == "hog" for r in scheduler.running.values())
+    assert held <= slots - spare
+    if held < hogged and scheduler.free_slots:  # its requests wait beside free slots: it holds half, and the
+        assert 2 * held >= slots and len(scheduler.free_slots) <= spare  # spare slots are all that is free
+    late = [Waiting(2000 + index, True, f"late {index}") for index in range(min(spare, len(scheduler.free_slots)))]
+    for request in late:
+        scheduler.add(request)
+    assert scheduler.admit(lambda request: True) == late
 
 
 def test_the_reserve_and_its_waiting_places():

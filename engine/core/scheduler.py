@@ -7,8 +7,11 @@ are free: a client with many requests queued cannot keep another's first request
 streaming-text request waits until its prefill has its text (`Sequence.ready`). The last `reserved_slots` free slots
 (and as many places of the waiting room) are for interactive requests (a conversation's WebSocket contexts): a
 one-shot request (HTTP) passes them by, so that a burst of one-shot requests cannot make a conversation wait for a
-slot; the waiting interactive requests behind it take them. A running request whose next text
-token has not arrived holds (`Sequence.runnable`); the others are runnable.
+slot; the waiting interactive requests behind it take them. An owner that holds half the slots leaves the last
+quarter of the free slots (`spare_slots`) to other owners: turns only share the slots that free, and a client whose
+many long requests filled every slot (a hostile try: 8 contexts of 20,000 characters that it never read) would
+keep every other client waiting until one of them ended. A running request whose next text token has not arrived
+holds (`Sequence.runnable`); the others are runnable.
 
 When more are runnable than a step holds (`max_step_batch`), a request's urgency is its playback deadline: how much
 of its audio is still ahead of a client that started playing at its first audio. A new request ranks before every
@@ -54,6 +57,12 @@ PREFILL_PER_REQUEST_S = 0.0005
 PROTECT_STEP_S = 0.05
 MAX_ADMISSION_WAIT_S = 0.1
 RESERVED_SLOT_SHARE = 16  # of the slots, kept for interactive requests
+
+
+def spare_slots(slots: int) -> int:
+    """Free slots an owner holding half the slots leaves to other owners: a quarter, at least one (none for an engine
+    of one slot)."""
+    return 0 if slots < 2 else max(1, slots // 4)
 
 
 def reserved_slots(slots: int) -> int:
@@ -126,8 +135,11 @@ class Scheduler(Generic[S]):
         self._order = POLICIES[policy]
         self.admission = admission
         self.ready_since: dict[int, float] = {}  # `protect`: request id -> when it was first seen ready
+        self.slots = slots
         self.free_slots = list(range(slots))
         self.reserved = reserved_slots(slots)
+        self.spare = spare_slots(slots)
+        self.held: Counter[str] = Counter()  # owner -> its running requests
         self.waiting: deque[S] = deque()
         self.running: dict[int, S] = {}
         self.finished: list[S] = []  # ended requests whose Finished is not delivered yet
@@ -170,13 +182,12 @@ class Scheduler(Generic[S]):
         """The waiting requests in admission order: an owner's k-th oldest ready request ranks as if its owner ran k
         more requests than it does, ties oldest first, so owners take turns, the least served first (a request
         without owner: an owner of its own, running nothing). A request not ready yet takes no turn of its owner's."""
-        running = Counter(seq.owner for seq in self.running.values() if seq.owner is not None)
         queued: Counter[str] = Counter()
         ranked = []
         for arrival, seq in enumerate(self.waiting):
             turn = 0
             if seq.owner is not None:
-                turn = running[seq.owner] + queued[seq.owner]
+                turn = self.held[seq.owner] + queued[seq.owner]
                 queued[seq.owner] += seq.ready()
             ranked.append((turn, arrival, seq))
         return [seq for _, _, seq in sorted(ranked, key=lambda entry: entry[:2])]
@@ -186,8 +197,12 @@ class Scheduler(Generic[S]):
         return any(seq.ready() and self._slot_for(seq) for seq in self.waiting)
 
     def _slot_for(self, seq: S) -> bool:
-        """Whether a slot is free for `seq`: a one-shot request leaves the last `reserved` free slots."""
-        return len(self.free_slots) > (0 if seq.interactive else self.reserved)
+        """Whether a slot is free for `seq`: a one-shot request leaves the last `reserved` free slots, a request whose
+        owner holds half the slots the last `spare`."""
+        keep = 0 if seq.interactive else self.reserved
+        if seq.owner is not None and 2 * self.held[seq.owner] >= self.slots:
+            keep = max(keep, self.spare)
+        return len(self.free_slots) > keep
 
     def _admit_protecting(self, prepare: Callable[[S], bool]) -> list[S]:
         """`protect`: the oldest ready requests whose prefill the thinnest lead can pay for, and every overdue one."""
@@ -219,6 +234,19 @@ class Scheduler(Generic[S]):
         self.ready_since.pop(seq.request_id, None)
         seq.slot = self.free_slots.pop(0)
         self.running[seq.request_id] = seq
+        if seq.owner is not None:
+            self.held[seq.owner] += 1
+
+    def _release(self, request_id: int) -> S | None:
+        """Take a request out of the running ones, if it runs: its slot is free."""
+        seq = self.running.pop(request_id, None)
+        if seq is not None:
+            self.free_slots.append(seq.slot)
+            if seq.owner is not None:
+                self.held[seq.owner] -= 1
+                if not self.held[seq.owner]:
+                    del self.held[seq.owner]
+        return seq
 
     def schedule(self) -> tuple[list[S], list[S]]:
         """(the requests of the next frame step, most urgent first; the held ones)."""
@@ -250,9 +278,7 @@ class Scheduler(Generic[S]):
     def finish(self, seq: S, reason: str) -> None:
         """The request is done: its slot is free for the next admission, its Finished is due."""
         seq.done = reason
-        if self.running.pop(seq.request_id, None) is not None:
-            self.free_slots.append(seq.slot)
-        elif seq in self.waiting:
+        if self._release(seq.request_id) is None and seq in self.waiting:
             self.waiting.remove(seq)
             self.ready_since.pop(seq.request_id, None)
         if seq not in self.finished:
@@ -265,10 +291,8 @@ class Scheduler(Generic[S]):
                 self.waiting.remove(seq)
                 self.ready_since.pop(request_id, None)
                 return True
-        seq = self.running.pop(request_id, None)
-        if seq is not None:
-            self.free_slots.append(seq.slot)
-        else:
+        seq = self._release(request_id)
+        if seq is None:
             seq = next((s for s in self.finished if s.request_id == request_id), None)
         if seq is None:
             return False
