@@ -224,7 +224,8 @@ def test_an_end_and_a_cancel_past_the_rate_are_still_handled():
     """Hostile try 12: clients that send an LLM's burst as one append per token lost the context.end behind them to
     the rate limit, and their turns hung (no context.done) or held a context each until the session hit its limit.
     Past the rate, appends and flushes are dropped (rate_limited, named: a flush queues work, so the rate bounds it);
-    the cancel and end after them are handled."""
+    the cancel and end after them are handled. A repeated end, or a cancel of a context that is not open, acts on
+    nothing: past the rate it is dropped too (a hostile try's 20,000 cancels of nothing slowed other sessions)."""
     with running_server(Limits(max_message_rate=20.0), synthetic_frames_per_token=SHORT_SPEECH) as server:
         async def go():
             async with connect(server.ws) as ws:
@@ -234,8 +235,11 @@ def test_an_end_and_a_cancel_past_the_rate_are_still_handled():
                 for i in range(60):  # a burst of 60 against 20/s with bursts of 40
                     await ws.send(json.dumps({"type": "text.append", "context_id": "a", "text": f" w{i}",
                                               "event_id": f"w{i}"}))
-                for kind, context_id in (("context.flush", "a"), ("context.cancel", "b"), ("context.end", "a")):
-                    await ws.send(json.dumps({"type": kind, "context_id": context_id, "event_id": kind}))
+                for kind, context_id, event_id in (("context.flush", "a", "flush"), ("context.cancel", "b", "cancel"),
+                                                   ("context.end", "a", "end"), ("context.end", "a", "end again"),
+                                                   ("context.cancel", "b", "cancel again"),
+                                                   ("context.cancel", "zzz", "cancel of nothing")):
+                    await ws.send(json.dumps({"type": kind, "context_id": context_id, "event_id": event_id}))
                 events = []
                 async with asyncio.timeout(60):
                     while not any(e["type"] == "context.done" for e in events):
@@ -243,7 +247,8 @@ def test_an_end_and_a_cancel_past_the_rate_are_still_handled():
                         if isinstance(message, str):
                             events.append(json.loads(message))
             limited = [e["event_id"] for e in events if e.get("code") == "rate_limited"]
-            assert limited and set(limited) <= {f"w{i}" for i in range(60)} | {"context.flush"}
+            acting_on_nothing = {"end again", "cancel again", "cancel of nothing"}
+            assert acting_on_nothing <= set(limited) <= {f"w{i}" for i in range(60)} | {"flush"} | acting_on_nothing
             kinds = {(e["type"], e.get("context_id")) for e in events}
             assert {("context.cancelled", "b"), ("context.done", "a")} <= kinds, kinds
         asyncio.run(go())

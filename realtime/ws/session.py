@@ -238,11 +238,11 @@ class Session:
 
     async def _handle_text(self, text: str) -> bool:
         """A client's text frame: rate-limited before it is parsed (a flood costs no parse, valid or not; a small
-        end or cancel is handled whatever the rate: `never_dropped`); an inline lexicon is compiled on a
-        worker thread first (the largest takes ~0.2 s of Python: on the loop it stalled every socket), then the
-        message is handled as any other."""
+        end or cancel of an open context is handled whatever the rate: `_stops_an_open_context`); an inline lexicon
+        is compiled on a worker thread first (the largest takes ~0.2 s of Python: on the loop it stalled every
+        socket), then the message is handled as any other."""
         message, refusal = None, self._budget.refusal(text)
-        if refusal is not None and never_dropped(text):
+        if refusal is not None and self._stops_an_open_context(never_dropped(text)):
             refusal = None
         if refusal is None:
             try:
@@ -270,6 +270,17 @@ class Session:
             return message
 
         return self._handle(validated)
+
+    def _stops_an_open_context(self, message: dict[str, Any] | None) -> bool:
+        """Whether a small end or cancel past the rate acts on an open context (an end on one not ended yet): over
+        its budget a client loses text, never leaves a context open, and a flood of them acts at most twice a
+        context."""
+        context_id = None if message is None else message.get("context_id")
+        if context_id == "*" and message["type"] == "context.cancel":
+            return len(self.contexts) > 0
+        if not isinstance(context_id, str) or not self.context_open(context_id):
+            return False
+        return message["type"] == "context.cancel" or not self.context_ended(context_id)
 
     def _takes_lexicon(self, message: dict[str, Any]) -> bool:
         """Whether the message's lexicon would be used: a session.start's before text has started, a text.append's
