@@ -258,7 +258,9 @@ def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
     """A context its lexicon took past the limit makes no more audio: a flush or mark (or an append with flush) after
     the refusal would never be answered (the client waited for it), so each gets context_closed; its end still gets
     its context.done. The refusal's context.done may go out while those messages are still on their way: each is
-    answered all the same (a message to a finished context gets context_closed too), in whatever order."""
+    answered all the same (a message to a finished context gets context_closed too). The text_too_long that
+    explains them goes first (a hostile try: the context_closed errors came before it, the audio before it still
+    being encoded), and those that came before the context.done are answered before it."""
     answered = {"mark", "flush", "append-flush", "end"}
 
     def all_answered(seen: list[dict]) -> bool:
@@ -268,10 +270,13 @@ def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
 
     async def go():
         ws = await raw(small_server)
-        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "a", "replacement": "b" * 200}]}))
+        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "a", "replacement": "b" * 200}],
+                                  "text": {"buffering": "none"}}))
         await until(ws, lambda e: e["type"] == "session.started")
-        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello. " + "a " * 3,
-                                  "event_id": "past"}))
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there, how are you? "}))
+        while not isinstance(await asyncio.wait_for(ws.recv(), 60), bytes):  # its audio is under way
+            pass
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "a " * 3, "event_id": "past"}))
         await ws.send(json.dumps({"type": "mark", "context_id": "c", "name": "m", "event_id": "mark"}))
         await ws.send(json.dumps({"type": "context.flush", "context_id": "c", "event_id": "flush"}))
         await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "more", "flush": True,
@@ -289,6 +294,10 @@ def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
     end = [] if done.get("event_id") == "end" else [("context_closed", "end")]  # the end came after the done
     assert errors == sorted([("context_closed", "append-flush"), ("context_closed", "flush"),
                              ("context_closed", "mark"), ("text_too_long", "past"), *end])
+    order = [(e["type"], e.get("code")) for e in events if e["type"] in ("error", "context.done")]
+    assert order[0] == ("error", "text_too_long"), order
+    after_done = order[order.index(("context.done", None)) + 1:]  # answers to messages that came after it
+    assert set(after_done) <= {("error", "context_closed")} and (end or not after_done), order
 
 
 def test_the_speech_endpoint_refuses_a_lexicon_that_expands_past_the_text_limit(small_server):

@@ -42,6 +42,7 @@ class SessionContext:
         self.end_event_id: Any = None  # the context.end's, echoed on context.done
         self.refused_event_id: Any = None  # the message whose text ended the context early, echoed on its error
         self.text_event_id: Any = None  # the last message that gave it text (a refusal the text pause released)
+        self._after_refusal: list[tuple[ProtocolError, Any]] = []  # answers queued behind its text_too_long
         self.cancelled = False
         self.opened_with: dict[str, Any] = {}  # the first append's voice fields (CONTEXT_FIELDS)
         self.told_fields_ignored = False  # a later append's other voice fields were warned about (once)
@@ -76,6 +77,11 @@ class SessionContext:
         self.end_event_id = event_id
         self.speech.end()
         self._noted(event_id)
+
+    def answer_after_refusal(self, failure: ProtocolError, event_id: Any = None) -> None:
+        """A message the context refuses because its text passed the limit: its error goes out after the context's
+        `text_too_long`, which explains it and waits for the audio made before it (`_finish`)."""
+        self._after_refusal.append((failure, event_id))
 
     def _noted(self, event_id: Any) -> None:
         """After a message gave the context text (an append, or a flush, mark or end that releases what the lexicon
@@ -190,6 +196,8 @@ class SessionContext:
             self._queue_frames(frames, last=True)
         if end.reason == "error":
             self._queue_error(engine_error(end.error, self.context_id), self._answered_by(end.error))
+        for failure, event_id in self._after_refusal:
+            self._queue_error(failure, event_id)
         self._queue_done()
 
     def _answered_by(self, error: VoxgateError | None) -> Any:

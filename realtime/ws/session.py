@@ -325,8 +325,8 @@ class Session:
         self._refuse_if_ended(context)
         if context.text_chars + len(text) > self.limits.max_text_chars:
             self._too_long(context_id)
-        if message.get("flush"):  # before the append: a refusal this append causes is its own answer
-            self._refuse_if_refused(context)
+        if message.get("flush") and self._closed_by_its_text(context, message):  # before the append: a refusal
+            return  # this append causes is its own answer
         context.append(text, message.get("event_id"))
         if message.get("flush"):
             context.flush(message.get("event_id"))
@@ -350,31 +350,34 @@ class Session:
                                              "text; this append was dropped", context_id=context_id)
 
     def _on_context_flush(self, message: dict[str, Any]) -> None:
-        self._answerable(message).flush(message.get("event_id"))
+        context = self._unended(message)
+        if not self._closed_by_its_text(context, message):
+            context.flush(message.get("event_id"))
 
     def _on_context_end(self, message: dict[str, Any]) -> None:
         self._unended(message).end(message.get("event_id"))
 
     def _on_mark(self, message: dict[str, Any]) -> None:
-        self._answerable(message).mark(message["name"], message.get("event_id"))
+        context = self._unended(message)
+        if not self._closed_by_its_text(context, message):
+            context.mark(message["name"], message.get("event_id"))
 
     def _unended(self, message: dict[str, Any]) -> SessionContext:
         context = self.contexts.find(message["context_id"])
         self._refuse_if_ended(context)
         return context
 
-    def _answerable(self, message: dict[str, Any]) -> SessionContext:
-        """The context of a flush or mark, which is answered after the audio of the text before it: a context whose
-        text passed max_text_chars (with its lexicon's replacements) makes no more audio, so it would never be."""
-        context = self._unended(message)
-        self._refuse_if_refused(context)
-        return context
-
     @staticmethod
-    def _refuse_if_refused(context: SessionContext) -> None:
-        if context.speech.refused:
-            raise ProtocolError("context_closed", f"context {context.context_id!r} has ended: its text passed "
-                                                  "max_text_chars; use a new context_id", context_id=context.context_id)
+    def _closed_by_its_text(context: SessionContext, message: dict[str, Any]) -> bool:
+        """Whether a flush or mark (answered after the audio of the text before it) comes to a context whose text
+        passed max_text_chars (with its lexicon's replacements): it makes no more audio, so it would never be
+        answered; it gets `context_closed` instead, after the context's `text_too_long` that explains it."""
+        if not context.speech.refused:
+            return False
+        context.answer_after_refusal(ProtocolError(
+            "context_closed", f"context {context.context_id!r} has ended: its text passed max_text_chars; use a new "
+                              "context_id", context_id=context.context_id), message.get("event_id"))
+        return True
 
     @staticmethod
     def _refuse_if_ended(context: SessionContext) -> None:
