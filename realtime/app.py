@@ -210,7 +210,7 @@ def create_app(gateway: Gateway) -> Starlette:
     cors = Middleware(_Cors, allow_origins=list(gateway.limits.allowed_origins) or ["*"], allow_methods=CORS_METHODS,
                       allow_headers=CORS_HEADERS, expose_headers=CORS_EXPOSED, max_age=600)
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_AbsoluteFormTarget), cors],
-                    exception_handlers={HTTPException: _routing_refusal})
+                    exception_handlers={HTTPException: _routing_refusal, Exception: _internal_error})
     # a path that matches no route is the API's JSON 404, never a redirect: starlette's 307 to the path with its
     # trailing slash changed sent GET /v1/audio/voices/%2F (a voice id "/") to the voice list
     app.router.redirect_slashes = False
@@ -280,6 +280,13 @@ async def _routing_refusal(request: Request, failure: HTTPException) -> Response
     refusal = HTTPFailure(failure.status_code, "invalid_message",
                           f"{failure.detail}: {request.method} {request.url.path[:200]}")
     return JSONResponse(refusal.body(), failure.status_code, headers=failure.headers)
+
+
+async def _internal_error(request: Request, failure: Exception) -> Response:
+    """A fault of the server's own (a bug; a voice store whose files the operator removed) as the API's JSON 500,
+    where starlette answers plain text; starlette still raises it on, so the server logs its traceback."""
+    refusal = HTTPFailure(500, "internal", "internal server error")
+    return JSONResponse(refusal.body(), refusal.status)
 
 
 async def _http(request: Request, gateway: Gateway, auth: Auth, handle: Callable[[], Awaitable[Response]],

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
 from engine.checkpoint import checkpoint_fingerprint
+from realtime import voice_library
 from realtime.errors import VOICE_LIBRARY_STATUS
 from realtime.gateway import Limits
-from realtime import voice_library
 from realtime.voice_library import MAX_AUDIO_SECONDS, MIN_AUDIO_SECONDS
 from realtime.voice_store import StoredVoice, VoiceStore, check_data_dir, tensor_bytes, tensor_from_bytes
 from tests.gateway_server import running_server
@@ -135,6 +135,22 @@ async def refused_voice(server, voice: str) -> str:
 @pytest.fixture(scope="module")
 def base_model(tiny_checkpoints) -> Path:
     return tiny_checkpoints["base"]
+
+
+def test_a_store_removed_under_the_server_gets_the_apis_json_500_and_the_server_goes_on(base_model, tmp_path):
+    """A hostile try: the operator deleted the data directory's files while the server ran; the next upload failed
+    inside the store (sqlite: a readonly database) and the client got starlette's plain-text 500 and a reset. Any
+    fault of the server's own is the API's JSON error (`internal`, OpenAI's shape); the server goes on serving."""
+    data_dir = tmp_path / "data"
+    with running_server(model=base_model, data_dir=data_dir) as server:
+        assert upload(server, "alice", wav()).status_code == 201
+        for path in data_dir.iterdir():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        failed = upload(server, "bob", wav())
+        assert failed.status_code == 500 and failed.headers["content-type"] == "application/json"
+        assert failed.json() == {"error": {"code": "internal", "message": "internal server error",
+                                           "type": "server_error", "param": None}}
+        assert server.get("/health")[0] == 200 and speech(server, "alice")[0] == 200
 
 
 def test_upload_use_restart_delete(base_model, tmp_path, one_thread):
