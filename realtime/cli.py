@@ -154,13 +154,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "second frame (slack for its client's reads, for one step of time to first audio; WebSocket "
                         "contexts keep one frame: their players buffer); N at least the "
                         f"engine's slots: never; default: {GPU_BUSY_BATCH} on a GPU, never on the CPU")
+    p.add_argument("--lead-target", type=float, metavar="S",
+                   help="benchmark option: a WebSocket context whose audio is S seconds ahead of its client's "
+                        "playback holds while no request waits for a slot (less audio far ahead for the gateway "
+                        "in a burst); default: none")
     p.add_argument("--encoder-workers", type=int,
                    help="processes that encode the sockets' audio (Opus, resampling) beside the event loop "
                         "(default: half the cores, 1 to 8)")
     p.set_defaults(run=run_serve)
 
 
-def _check_scheduling(chunk_schedule: str | None, admission: str | None) -> None:
+def _check_scheduling(chunk_schedule: str | None, admission: str | None, lead_target_s: float | None) -> None:
     """The engine's names, checked here (its modules import torch, which `voxgate --help` does not wait for)."""
     from engine.core.decoding import CHUNK_SCHEDULES
     from engine.core.scheduler import ADMISSIONS
@@ -169,6 +173,8 @@ def _check_scheduling(chunk_schedule: str | None, admission: str | None) -> None
         raise VoxgateError(f"--chunk-schedule {chunk_schedule!r}: choose one of {', '.join(CHUNK_SCHEDULES)}")
     if admission is not None and admission not in ADMISSIONS:
         raise VoxgateError(f"--admission {admission!r}: choose one of {', '.join(ADMISSIONS)}")
+    if lead_target_s is not None and not lead_target_s > 0:
+        raise VoxgateError(f"--lead-target {lead_target_s:g}: a positive number of seconds")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -188,7 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise VoxgateError("--busy-batch must be at least 0")
     if args.idle_timeout <= 0 or args.max_message_rate <= 0 or args.handshake_timeout <= 0:
         raise VoxgateError("--idle-timeout, --handshake-timeout and --max-message-rate must be positive")
-    _check_scheduling(args.chunk_schedule, args.admission)
+    _check_scheduling(args.chunk_schedule, args.admission, args.lead_target)
     try:
         clones = tuple(CloneVoice.parse(spec) for spec in args.clone_voice)
         openai_voices = tuple(parse_openai_voice(spec) for spec in args.openai_voice)
@@ -212,7 +218,8 @@ def run_serve(args: argparse.Namespace) -> int:
                              engine_process={"auto": None, "on": True, "off": False}[args.engine_process],
                              synthetic_frames_per_token=args.synthetic_frames_per_token, openai_voices=openai_voices,
                              data_dir=args.data_dir, chunk_schedule=args.chunk_schedule, admission=args.admission,
-                             busy_batch=args.busy_batch, encoder_workers=args.encoder_workers)
+                             busy_batch=args.busy_batch, encoder_workers=args.encoder_workers,
+                             lead_target_s=args.lead_target)
     try:
         return serve(options, args.host, args.port, args.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop

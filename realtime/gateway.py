@@ -128,6 +128,7 @@ class GatewayOptions:
     chunk_schedule: str | None = None  # EngineConfig's: "fixed" | "lead"; None: GPU_SCHEDULING on a GPU, else fixed
     admission: str | None = None  # EngineConfig's: "all" | "protect"; None: GPU_SCHEDULING on a GPU, else all
     busy_batch: int | None = None  # EngineConfig's; None: GPU_BUSY_BATCH on a GPU, none on the CPU
+    lead_target_s: float | None = None  # EngineConfig's (a benchmark option); None: none
     encoder_workers: int | None = None  # audio encoder processes; None: half the cores, 1 to 8 (encoder_pool.py)
 
 
@@ -298,7 +299,7 @@ class Gateway:
         busy = options.busy_batch if options.busy_batch is not None else GPU_BUSY_BATCH if self._gpu() else None
         common = dict(synthetic_frames_per_token=options.synthetic_frames_per_token,
                       chunk_schedule=options.chunk_schedule or schedule, admission=options.admission or admission,
-                      busy_batch=busy)
+                      busy_batch=busy, lead_target_s=options.lead_target_s)
         if self._gpu():
             sized = options.max_batch is None
             return EngineConfig(max_batch=options.max_batch or GPU_MAX_SLOTS,

@@ -241,6 +241,8 @@ def test_serve_holds_each_utterance_to_its_synthetic_length(tiny_checkpoints, tm
     (["--chunk-schedule", "bogus"], "--chunk-schedule 'bogus': choose one of fixed, lead"),
     (["--admission", "nope"], "--admission 'nope': choose one of all, protect"),
     (["--busy-batch", "-1"], "--busy-batch must be at least 0"),
+    (["--lead-target", "0"], "--lead-target 0: a positive number of seconds"),
+    (["--lead-target", "nan"], "--lead-target nan: a positive number of seconds"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
 ])
 def test_serve_refuses_unknown_scheduling_by_name(args, message):
@@ -251,8 +253,10 @@ def test_serve_refuses_unknown_scheduling_by_name(args, message):
 def test_serve_scheduling_reaches_the_engine():
     from realtime.gateway import Gateway, GatewayOptions
 
-    config = Gateway(GatewayOptions(chunk_schedule="lead", admission="protect", busy_batch=5))._engine_config()
-    assert (config.chunk_schedule, config.admission, config.busy_batch) == ("lead", "protect", 5)
+    config = Gateway(GatewayOptions(chunk_schedule="lead", admission="protect", busy_batch=5,
+                                    lead_target_s=1.5))._engine_config()
+    assert (config.chunk_schedule, config.admission, config.busy_batch, config.lead_target_s) == (
+        "lead", "protect", 5, 1.5)
 
 
 def test_scheduling_defaults_fit_the_machine():

@@ -256,3 +256,81 @@ def test_step_limit_order_and_the_audio_it_does_not_change(tts):
             expected = tts.synthesize(req.text, voice, language="english", layout="streaming",
                                       sampling=req.sampling, max_frames=req.max_frames).audio
             np.testing.assert_allclose(np.concatenate(audio[request_id]), expected, atol=1e-5, rtol=0)
+
+
+def test_a_lead_target_holds_a_stream_far_ahead_until_a_request_waits_for_a_slot():
+    """An interactive request whose audio is the target ahead of its client's playback holds, and says when it falls
+    below it; a one-shot request, one below the target and one without audio yet step; once a ready request waits
+    for a slot, all of them step."""
+    now = 10.0
+    scheduler = Scheduler(4, lead_target_s=1.0, clock=lambda: now)
+    ahead = Waiting(0, True, frames=26, first_audio_at=now - 1.0)  # 2.08 s made, 1 s played: 1.08 s ahead
+    below = Waiting(1, True, frames=24, first_audio_at=now - 1.0)
+    one_shot = Waiting(2, False, frames=26, first_audio_at=now - 1.0)
+    for request in (ahead, below, one_shot):
+        scheduler.add(request)
+    assert scheduler.admit(lambda request: True) == [ahead, below, one_shot]
+    assert scheduler.schedule() == ([below, one_shot], [ahead])
+    assert scheduler.next_release() == pytest.approx(now + 0.08) and scheduler.steppable()
+    scheduler.add(Waiting(3, True, has_text=False))  # waiting, but not ready: no slot is wanted yet
+    assert scheduler.schedule() == ([below, one_shot], [ahead])
+    scheduler.waiting[0].has_text = True
+    assert scheduler.schedule() == ([ahead, below, one_shot], []) and scheduler.next_release() is None
+    alone = Scheduler(1, lead_target_s=1.0, clock=lambda: now)
+    alone.add(Waiting(0, True, frames=26, first_audio_at=now - 1.0))
+    alone.admit(lambda request: True)
+    assert not alone.steppable() and Scheduler(1).next_release() is None
+    with pytest.raises(ValueError, match="positive"):
+        Scheduler(1, lead_target_s=float("nan"))
+
+
+def _largest_lead(request) -> float:
+    """The most audio a request had out ahead of a client playing since its first audio."""
+    start = request.delivered[0]
+    return max((i + 1) * 0.08 - (out - start) for i, out in enumerate(request.delivered))
+
+
+def test_a_lead_target_keeps_a_burst_near_real_time_without_a_stream_running_dry():
+    """A burst of LLM-paced sessions on free slots (the simulator's GPU cost model): without a target the streams
+    run seconds ahead of their players (the audio a gateway must encode in a burst); with 1 s they stay within a
+    chunk of it and make 40% less audio in the burst's first 3 s, with no more streams running dry (those whose
+    LLM text comes slower than their speech run dry either way) and first audio no later."""
+    arrivals = burst_workload(128, seed=2, connect_s=0.05)
+
+    def run(target: float | None):
+        requests = simulate(arrivals, Scheduler(128, lead_target_s=target), CostModel(), chunks="lead")
+        early = sum(out < 3.0 for r in requests for out in r.delivered)
+        return summarize(requests), max(_largest_lead(r) for r in requests), early
+
+    (free, free_lead, free_early), (held, held_lead, held_early) = run(None), run(1.0)
+    assert free_lead > 3.0 and held_lead < 1.0 + 0.4, (free_lead, held_lead)
+    assert held_early < 0.7 * free_early, (held_early, free_early)
+    assert free["never_underrun"] == held["never_underrun"] > 0.95
+    assert held["ttfa_ms_p95"] <= free["ttfa_ms_p95"] * 1.05, (held, free)
+
+
+def test_the_engine_waits_out_a_lead_target_and_its_audio_stays_the_same(tts):
+    """On the engine (a clock that moves only when told): a request at its lead target leaves no work, the loop may
+    wait until it falls below (and no longer), then it steps again; its audio is its single-request audio."""
+    now = [0.0]
+    voice = tts.voice(VoiceRequest(speaker="ryan"))
+    request = SynthesisRequest("A stream held near its lead target.", voice, language="english", layout="streaming",
+                               max_frames=30, sampling=SamplingParams.from_defaults(tts.config.generation, seed=3))
+    engine = Engine(tts, EngineConfig(max_batch=2, capacity=128, lead_target_s=0.5))
+    engine.scheduler.clock = lambda: now[0]
+    engine.submit(request)
+    audio, waits = [], []
+    while not engine.idle():
+        if not engine.has_work():
+            wait = engine.idle_wait_s(10.0)
+            assert 0 < wait <= 0.08 + 1e-9  # one frame of audio played brings it below the target
+            (seq,) = engine.running.values()
+            assert seq.frames * 0.08 - (now[0] - seq.first_audio_at) > 0.5
+            waits.append(wait)
+            now[0] += wait
+            continue
+        audio += [event.samples for event in engine.step() if isinstance(event, AudioChunk)]
+    assert len(waits) >= 20  # 30 frames, 0.5 s (7 frames) ahead at most: nearly every frame waited for
+    expected = tts.synthesize(request.text, voice, language="english", layout="streaming", sampling=request.sampling,
+                              max_frames=request.max_frames).audio
+    np.testing.assert_allclose(np.concatenate(audio), expected, atol=1e-5, rtol=0)

@@ -65,6 +65,7 @@ class EngineConfig:
     max_step_batch: int | None = None  # None: every runnable request steps
     chunk_schedule: str = "fixed"  # "fixed" (1, 1, 2, 4 ... frames) | "lead" (by the client's buffer; decoding.py)
     admission: str = "all"  # "all" (every ready request) | "protect" (prefills wait for thin leads; scheduler.py)
+    lead_target_s: float | None = None  # interactive requests this far ahead of playback hold (scheduler.py)
     guard: RunawayGuard = field(default_factory=RunawayGuard)
     # Benchmark-only, for random-weight checkpoints (never EOS): each request makes exactly ceil(this x its text
     # tokens) frames (its max_frames if fewer) instead of running to the guard. Refused for an unmarked checkpoint.
@@ -95,7 +96,8 @@ class Engine:
                                  busy_batch=config.busy_batch)
         self.scheduler: Scheduler[Sequence] = Scheduler(shape.slots, config.scheduling, config.max_step_batch,
                                                         config.max_prefill_batch, config.max_waiting,
-                                                        admission=config.admission)
+                                                        admission=config.admission,
+                                                        lead_target_s=config.lead_target_s)
         self._ids = count(1)
 
     @classmethod
@@ -145,7 +147,13 @@ class Engine:
         scheduler = self.scheduler
         return (scheduler.admissible() or bool(self.decoding.in_flight or scheduler.finished)
                 or bool(self.decoding.finishing)
-                or any(s.runnable() or s.pending for s in scheduler.running.values()))
+                or scheduler.steppable() or any(s.pending for s in scheduler.running.values()))
+
+    def idle_wait_s(self, longest: float) -> float:
+        """How long the loop may wait for a command when there is no work: `longest`, or less until a request held
+        at the lead target is due to step again."""
+        release = self.scheduler.next_release()
+        return longest if release is None else min(longest, max(0.0, release - self.scheduler.clock()))
 
     def submit(self, request: SynthesisRequest) -> int:
         """Validate and queue a request. Raises at once: RequestError (bad input), EngineFull, or SynthesisFailed

@@ -18,6 +18,13 @@ of its audio is still ahead of a client that started playing at its first audio.
 request with more than half a second of audio buffered: its first audio comes in the next step unless running
 requests are about to run dry. Requests far ahead of real time are the ones left out when the step is full.
 
+A lead target (`lead_target_s`; off by default, a benchmark option until measured on the GPU) holds an interactive
+request whose audio is that far ahead of its client's playback while no ready request waits for a slot: in a burst
+the engine makes hundreds of streams' audio several times faster than real time, and the gateway's one event loop,
+busy with audio seconds ahead of its players, makes the newcomers' first audio wait (docs/benchmarks.md, tenth
+session). Held there, a stream makes audio at real time; once a request waits for a slot every stream runs ahead
+again, to end and free its slot sooner. `next_release` says when the first held one falls below the target.
+
 Policies are named, so that the engine, the simulator (`engine/core/simulator.py`) and the benchmarks choose them by
 name; each orders the runnable requests and the step takes the first `max_step_batch`:
 - `deadline`: least audio buffered ahead of playout first; a new request ranks as if it had 0.5 s buffered, so
@@ -57,6 +64,7 @@ PREFILL_PER_REQUEST_S = 0.0005
 PROTECT_STEP_S = 0.05
 MAX_ADMISSION_WAIT_S = 0.1
 RESERVED_SLOT_SHARE = 16  # of the slots, kept for interactive requests
+ROUNDING_S = 1e-9  # a lead within this of the lead target is at it
 
 
 def spare_slots(slots: int) -> int:
@@ -97,6 +105,13 @@ def lead(seq: Scheduled, now: float) -> float:
     return seq.decoded_frames * FRAME_SECONDS - (now - seq.first_audio_at)
 
 
+def _at_target(seq: Scheduled, now: float, target: float | None) -> bool:
+    """An interactive request with its audio more than `target` seconds ahead of its client's playback (by more than
+    rounding: at its `next_release` it steps)."""
+    return target is not None and seq.interactive and seq.first_audio_at is not None \
+        and buffered_ahead(seq, now) > target + ROUNDING_S
+
+
 def prefill_seconds(requests: int) -> float:
     """What a prefill of `requests` adds to a step (`protect`'s estimate)."""
     return PREFILL_PASS_S + requests * PREFILL_PER_REQUEST_S if requests else 0.0
@@ -119,15 +134,19 @@ POLICIES: dict[str, Order] = {
 class Scheduler(Generic[S]):
     def __init__(self, slots: int, policy: str = "deadline", max_step_batch: int | None = None,
                  max_prefill_batch: int = 64, max_waiting: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, admission: str = "all") -> None:
+                 clock: Callable[[], float] = time.monotonic, admission: str = "all",
+                 lead_target_s: float | None = None) -> None:
         """`max_waiting`: None queues without limit (the simulator); `clock`: seconds, for deadlines and first audio;
-        `admission`: one of `ADMISSIONS`."""
+        `admission`: one of `ADMISSIONS`; `lead_target_s`: the lead target in seconds (module docstring), or None."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if admission not in ADMISSIONS:
             raise ValueError(f"unknown admission {admission!r}; choose one of {', '.join(ADMISSIONS)}")
         if max_step_batch is not None and max_step_batch < 1:
             raise ValueError("max_step_batch must be at least 1")
+        if lead_target_s is not None and not lead_target_s > 0:
+            raise ValueError("the lead target must be a positive number of seconds")
+        self.lead_target_s = lead_target_s
         self.max_step_batch = max_step_batch
         self.max_prefill_batch = max_prefill_batch
         self.max_waiting = max_waiting
@@ -249,12 +268,32 @@ class Scheduler(Generic[S]):
         return seq
 
     def schedule(self) -> tuple[list[S], list[S]]:
-        """(the requests of the next frame step, most urgent first; the held ones)."""
+        """(the requests of the next frame step, most urgent first; the held ones: waiting for text, or at the lead
+        target)."""
+        now = self.clock()
+        target = self._lead_target()
         runnable: list[S] = []
         held: list[S] = []
         for seq in self.running.values():
-            (runnable if seq.runnable() else held).append(seq)
-        return self.select(runnable, self.clock()), held
+            (runnable if seq.runnable() and not _at_target(seq, now, target) else held).append(seq)
+        return self.select(runnable, now), held
+
+    def steppable(self) -> bool:
+        """Whether a running request would step now (its text is in, it is not held at the lead target)."""
+        now, target = self.clock(), self._lead_target()
+        return any(seq.runnable() and not _at_target(seq, now, target) for seq in self.running.values())
+
+    def next_release(self) -> float | None:
+        """When (the clock's seconds) the first request held only by the lead target falls below it; None if none."""
+        now, target = self.clock(), self._lead_target()
+        return min((seq.first_audio_at + seq.frames * FRAME_SECONDS - target for seq in self.running.values()
+                    if seq.runnable() and _at_target(seq, now, target)), default=None)
+
+    def _lead_target(self) -> float | None:
+        """The lead target in force: none while a ready request waits for a slot."""
+        if self.lead_target_s is None or any(seq.ready() for seq in self.waiting):
+            return None
+        return self.lead_target_s
 
     def select(self, runnable: list[S], now: float) -> list[S]:
         """The requests of the next step, most urgent first."""

@@ -142,7 +142,8 @@ def simulate(arrivals: list[Arrival], scheduler: Scheduler, cost: CostModel = Co
             request.admitted_at = clock.now
         batch, held = scheduler.schedule()
         if not batch and not admitted and not any(r.pending for r in held):
-            clock.now = _next_event(clock.now, pending, [*scheduler.waiting, *scheduler.running.values()])
+            clock.now = _next_event(clock.now, pending, [*scheduler.waiting, *scheduler.running.values()],
+                                    scheduler.next_release())
             continue
         if chunks is None:
             clock.now += cost.step_seconds(len(batch), len(admitted))
@@ -188,8 +189,10 @@ def _deliver(requests: list[SimRequest], now: float) -> None:
         request.decoded_frames = request.frames
 
 
-def _next_event(now: float, pending: deque[Arrival], requests: list[SimRequest]) -> float:
+def _next_event(now: float, pending: deque[Arrival], requests: list[SimRequest], release: float | None) -> float:
+    """The next arrival, text token or release from the lead target (`Scheduler.next_release`)."""
     times = [pending[0].at] if pending else []
+    times += [] if release is None else [release]
     times += [t for r in requests for t in r.arrival.text_times if t > now]
     if not times:
         raise RuntimeError("the simulation is stuck: nothing can run and nothing will arrive")

@@ -55,7 +55,8 @@ class StepLoop:
     def run(self) -> None:
         """Until the front end stops the loop, or the engine fails."""
         try:
-            while (commands := self.inbox.receive(0.0 if self.engine.has_work() else IDLE_POLL_S)) is not None:
+            while (commands := self.inbox.receive(
+                    0.0 if self.engine.has_work() else self.engine.idle_wait_s(IDLE_POLL_S))) is not None:
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_work():
