@@ -350,22 +350,25 @@ class Session:
                                              "text; this append was dropped", context_id=context_id)
 
     def _on_context_flush(self, message: dict[str, Any]) -> None:
-        context = self._unended(message)
-        if not self._closed_by_its_text(context, message):
+        if (context := self._answerable(message)) is not None:
             context.flush(message.get("event_id"))
 
     def _on_context_end(self, message: dict[str, Any]) -> None:
         self._unended(message).end(message.get("event_id"))
 
     def _on_mark(self, message: dict[str, Any]) -> None:
-        context = self._unended(message)
-        if not self._closed_by_its_text(context, message):
+        if (context := self._answerable(message)) is not None:
             context.mark(message["name"], message.get("event_id"))
 
     def _unended(self, message: dict[str, Any]) -> SessionContext:
         context = self.contexts.find(message["context_id"])
         self._refuse_if_ended(context)
         return context
+
+    def _answerable(self, message: dict[str, Any]) -> SessionContext | None:
+        """The context of a flush or mark, or None when its answer is `context_closed` (`_closed_by_its_text`)."""
+        context = self._unended(message)
+        return None if self._closed_by_its_text(context, message) else context
 
     @staticmethod
     def _closed_by_its_text(context: SessionContext, message: dict[str, Any]) -> bool:
