@@ -41,7 +41,7 @@ from realtime.ws.protocol import (
     error_event,
     query_fields,
 )
-from realtime.ws.session import Session
+from realtime.ws.session import SHUTDOWN_GRACE_S, Session
 
 log = logging.getLogger("voxgate")
 
@@ -65,7 +65,7 @@ def create_app(gateway: Gateway) -> Starlette:
         loading = asyncio.create_task(gateway.start())
         yield
         loading.cancel()
-        await drain_sessions(gateway)
+        await drain(gateway)
         await gateway.stop()
 
     async def health(request: Request) -> Response:
@@ -390,7 +390,10 @@ def _room_refusal(kind: str, open_: int, of_key: int, limits: Limits) -> tuple[P
     return None
 
 
-async def drain_sessions(gateway: Gateway) -> None:
-    """Graceful shutdown: every session finishes or cancels its contexts and closes with 1001."""
+async def drain(gateway: Gateway) -> None:
+    """Graceful shutdown: the sessions and the speech requests get SHUTDOWN_GRACE_S to finish, together; then every
+    session cancels its open contexts and closes with 1001, and a speech request still being made ends with
+    `overloaded` (`Gateway.end_speech`)."""
     gateway.shutting_down = True
-    await asyncio.gather(*(session.shutdown() for session in list(gateway.sessions)), return_exceptions=True)
+    await asyncio.gather(*(session.shutdown() for session in list(gateway.sessions)),
+                         gateway.end_speech(SHUTDOWN_GRACE_S), return_exceptions=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from engine.errors import EmptyText, EngineFailed, EngineFull, RequestError, SynthesisFailed, TextTooLong, VoxgateError
 from realtime.ws.protocol import ProtocolError
-from realtime.ws.speech_context import SlowReader
+from realtime.ws.speech_context import ShuttingDown, SlowReader
 
 # most specific first: the first type the error is an instance of gives its code and status
 ENGINE_ERRORS: tuple[tuple[type[VoxgateError], str, int], ...] = (
@@ -17,6 +17,7 @@ ENGINE_ERRORS: tuple[tuple[type[VoxgateError], str, int], ...] = (
     (EngineFailed, "synthesis_failed", 503),  # the engine restarts: retry later
     (SynthesisFailed, "synthesis_failed", 500),
     (SlowReader, "slow_consumer", 408),  # a streamed HTTP body whose client read too little (its status went out)
+    (ShuttingDown, "overloaded", 503),  # the server stopped it (`app.drain`): another server, or this one later
 )
 PROTOCOL_STATUS = {"unauthorized": 401, "overloaded": 503, "synthesis_failed": 500, "internal": 500}
 

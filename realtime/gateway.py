@@ -10,6 +10,7 @@ import asyncio
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,7 +41,7 @@ from realtime.voice_store import VoiceStore, check_data_dir
 from realtime.voices import CloneVoice, VoiceCatalog
 from realtime.ws.protocol import Sampling
 from realtime.ws.rate_limit import RateLimiter
-from realtime.ws.speech_context import ReadAhead, SpeechContext
+from realtime.ws.speech_context import ReadAhead, ShuttingDown, SpeechContext
 from realtime.ws.utterances import UtterancePlanner
 
 log = logging.getLogger("voxgate")
@@ -177,6 +178,8 @@ class Gateway:
         self.engine: AsyncEngine | ProcessEngine | None = None
         self.encoders = EncoderPool(options.encoder_workers)  # the sockets' audio encoding, in processes of its own
         self.sessions: set = set()
+        # the speech endpoint's requests (`start_speech`); each leaves the set once its response is gone
+        self.http_speech: weakref.WeakSet[SpeechContext] = weakref.WeakSet()
         self.chat_owners: list[str | None] = []  # the API key of each open `/v1/chat` socket (at most max_sessions)
         self.lexicons = LexiconStore()  # named pronunciation lexicons, in memory
         self.http_lexicon_rules = RateLimiter(HTTP_RULES_RATE)  # the rules HTTP requests may have compiled
@@ -415,6 +418,16 @@ class Gateway:
                        lexicon: Lexicon | None = None, read_ahead: ReadAhead | None = None) -> SpeechContext:
         return SpeechContext(self.engine, template, UtterancePlanner(buffering, max_buffer_delay_ms / 1000), lexicon,
                              self.limits.max_text_chars, read_ahead)
+
+    async def end_speech(self, grace_s: float) -> None:
+        """The server stops: the speech endpoint's requests get `grace_s` to finish; those still being made then end
+        with ShuttingDown (`overloaded`: an SSE stream's `error` event, a raw body's early end, a 503 before the
+        first audio), so that no response is left to the server's cancellation, unterminated."""
+        deadline = time.monotonic() + grace_s
+        while any(not speech.done for speech in self.http_speech) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for speech in list(self.http_speech):
+            speech.abort(ShuttingDown("the server is shutting down; retry the request"))
 
     async def stop(self) -> None:
         for task in list(self._tasks):

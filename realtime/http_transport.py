@@ -90,6 +90,7 @@ class _GuardedConnection(h11.Connection):
 # a reset, and a client that sends its whole body before it reads (urllib, curl) saw a broken pipe, not the answer.
 LINGER_S = 10.0
 LINGER_BYTES = 64 * 1024 * 1024
+SHUTDOWN_FLUSH_S = 2.0  # what a response still being sent when the server stops gets to finish
 
 
 class _LingeringTransport:
@@ -239,12 +240,20 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
-        """The server stops: no connection lingers."""
+        """The server stops (after its sessions and speech requests had their grace, `app.drain`): no connection
+        lingers, and a response still being sent gets SHUTDOWN_FLUSH_S more, then its connection is dropped. A
+        client that stopped reading held the shutdown until uvicorn cancelled its response, logged as a crash."""
         self._stopping = True
         if self.lingering:
             self.transport.raw.close()
-        else:
-            super().shutdown()
+            return
+        super().shutdown()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.loop.call_later(SHUTDOWN_FLUSH_S, self._drop_unsent)
+
+    def _drop_unsent(self) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.raw.abort()  # the response's sends return at once from here on (uvicorn's cycle)
 
     def close_after_body(self) -> None:
         """Closes the socket, or, when the request was answered while its body is still coming, first reads that

@@ -19,7 +19,7 @@ from urllib.parse import unquote_plus
 import uvicorn
 
 from engine.errors import VoxgateError
-from realtime.app import WEB_DIR, create_app, drain_sessions
+from realtime.app import WEB_DIR, create_app, drain
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway, GatewayOptions, check_options
 from realtime.http_transport import GuardedH11Protocol
@@ -411,7 +411,7 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
-        await drain_sessions(self.gateway)
+        await drain(self.gateway)
         await super().shutdown(sockets)
 
 

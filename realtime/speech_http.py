@@ -238,6 +238,7 @@ def start_speech(request: SpeechRequest, gateway: Gateway, owner: str | None) ->
     except VoiceError as failure:  # an unknown voice (unknown_voice), a bad language or instructions
         raise HTTPFailure(400, failure.code, str(failure), failure.field) from None
     speech = gateway.speech_context(template, "none", 0, request.lexicon, READ_AHEAD if request.stream else None)
+    gateway.http_speech.add(speech)
     speech.append(request.text)
     speech.end()
     return _chunks(speech) if request.speed == 1.0 else _stretched(_chunks(speech), request.speed)

@@ -97,6 +97,10 @@ class SlowReader(VoxgateError):
     """The reader of a context's events took too little of its audio for too long (`ReadAhead.limit_s`)."""
 
 
+class ShuttingDown(VoxgateError):
+    """The server is stopping and the context did not finish within its grace: retry on a server that runs."""
+
+
 @dataclass(frozen=True)
 class ReadAhead:
     """For a reader that takes `events()` at its own pace (an HTTP body, as fast as its client reads it): synthesis
@@ -300,6 +304,16 @@ class SpeechContext:
         if not self._task.done():
             self._refused = error
             self._end_early(error)
+
+    @property
+    def done(self) -> bool:
+        """Whether the context has ended: every event it will give is queued for `events()`."""
+        return self._task.done()
+
+    def abort(self, error: VoxgateError) -> None:
+        """End the context now with `error`, from outside (the server stops): its reader gets the audio made so far,
+        then `ContextEnd("error")`."""
+        self._end_early(error)
 
     def _end_early(self, error: VoxgateError) -> None:
         """End the context now with `error`, after the audio already delivered (once: not after it has ended)."""
