@@ -83,7 +83,7 @@ def run_synth(args: argparse.Namespace) -> None:
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from realtime.gateway import GPU_BUSY_BATCH, Limits
+    from realtime.gateway import GPU_BUSY_BATCH, GPU_LEAD_TARGET_S, Limits
     from realtime.voice_store import default_data_dir
 
     d = Limits()
@@ -155,9 +155,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "contexts keep one frame: their players buffer); N at least the "
                         f"engine's slots: never; default: {GPU_BUSY_BATCH} on a GPU, never on the CPU")
     p.add_argument("--lead-target", type=float, metavar="S",
-                   help="benchmark option: a WebSocket context whose audio is S seconds ahead of its client's "
-                        "playback holds while no request waits for a slot (less audio far ahead for the gateway "
-                        "in a burst); default: none")
+                   help="a WebSocket context whose audio is S seconds ahead of its client's playback holds while "
+                        "the engine is busy (more than --busy-batch requests run) and no request waits for a slot "
+                        "(less audio far ahead for the gateway in a burst); 0: never; default: "
+                        f"{GPU_LEAD_TARGET_S:g} on a GPU, never on the CPU")
     p.add_argument("--encoder-workers", type=int,
                    help="processes that encode the sockets' audio (Opus, resampling) beside the event loop "
                         "(default: half the cores, 1 to 8)")
@@ -173,8 +174,8 @@ def _check_scheduling(chunk_schedule: str | None, admission: str | None, lead_ta
         raise VoxgateError(f"--chunk-schedule {chunk_schedule!r}: choose one of {', '.join(CHUNK_SCHEDULES)}")
     if admission is not None and admission not in ADMISSIONS:
         raise VoxgateError(f"--admission {admission!r}: choose one of {', '.join(ADMISSIONS)}")
-    if lead_target_s is not None and not lead_target_s > 0:
-        raise VoxgateError(f"--lead-target {lead_target_s:g}: a positive number of seconds")
+    if lead_target_s is not None and not lead_target_s >= 0:
+        raise VoxgateError(f"--lead-target {lead_target_s:g}: a number of seconds, 0 (never) or more")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -70,6 +70,11 @@ GPU_SCHEDULING = ("lead", "all")
 # tts_bench at 60-100 req/s the one-frame starts were where every underrun came (docs/benchmarks.md, "A busy
 # engine's first chunks").
 GPU_BUSY_BATCH = 32
+# On a GPU, while more than GPU_BUSY_BATCH requests run and none waits for a slot, a WebSocket context whose audio
+# is this far ahead of its client's playback holds: in a burst of 256 sessions the engine made their audio ~7x
+# faster than real time and the gateway's one loop, busy encoding and sending it, delayed newcomers' first audio
+# (all-context p95 of three bursts 58.6 ms against 38.6 with it, one H200; docs/benchmarks.md, "The lead target").
+GPU_LEAD_TARGET_S = 1.0
 # Sessions, unless --max-sessions says: one per engine slot, at least MIN_SESSIONS (the CPU's 8 slots keep 64). A
 # session speaks one context at a time in practice (it may open max_contexts, each one utterance at a time), so every
 # session can speak at once without waiting for a slot; one more would wait seconds, for a slot to free, for its
@@ -129,7 +134,7 @@ class GatewayOptions:
     chunk_schedule: str | None = None  # EngineConfig's: "fixed" | "lead"; None: GPU_SCHEDULING on a GPU, else fixed
     admission: str | None = None  # EngineConfig's: "all" | "protect"; None: GPU_SCHEDULING on a GPU, else all
     busy_batch: int | None = None  # EngineConfig's; None: GPU_BUSY_BATCH on a GPU, none on the CPU
-    lead_target_s: float | None = None  # EngineConfig's (a benchmark option); None: none
+    lead_target_s: float | None = None  # EngineConfig's; None: GPU_LEAD_TARGET_S on a GPU, none on the CPU; 0: none
     encoder_workers: int | None = None  # audio encoder processes; None: half the cores, 1 to 8 (encoder_pool.py)
 
 
@@ -300,9 +305,10 @@ class Gateway:
         options = self.options
         schedule, admission = GPU_SCHEDULING if self._gpu() else ("fixed", "all")
         busy = options.busy_batch if options.busy_batch is not None else GPU_BUSY_BATCH if self._gpu() else None
+        lead = options.lead_target_s if options.lead_target_s is not None else GPU_LEAD_TARGET_S if self._gpu() else 0
         common = dict(synthetic_frames_per_token=options.synthetic_frames_per_token,
                       chunk_schedule=options.chunk_schedule or schedule, admission=options.admission or admission,
-                      busy_batch=busy, lead_target_s=options.lead_target_s)
+                      busy_batch=busy, lead_target_s=lead or None)
         if self._gpu():
             sized = options.max_batch is None
             return EngineConfig(max_batch=options.max_batch or GPU_MAX_SLOTS,

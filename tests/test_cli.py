@@ -241,8 +241,8 @@ def test_serve_holds_each_utterance_to_its_synthetic_length(tiny_checkpoints, tm
     (["--chunk-schedule", "bogus"], "--chunk-schedule 'bogus': choose one of fixed, lead"),
     (["--admission", "nope"], "--admission 'nope': choose one of all, protect"),
     (["--busy-batch", "-1"], "--busy-batch must be at least 0"),
-    (["--lead-target", "0"], "--lead-target 0: a positive number of seconds"),
-    (["--lead-target", "nan"], "--lead-target nan: a positive number of seconds"),
+    (["--lead-target", "nan"], "--lead-target nan: a number of seconds, 0 (never) or more"),
+    (["--lead-target", "-1"], "--lead-target -1: a number of seconds, 0 (never) or more"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
 ])
 def test_serve_refuses_unknown_scheduling_by_name(args, message):
@@ -260,19 +260,20 @@ def test_serve_scheduling_reaches_the_engine():
 
 
 def test_scheduling_defaults_fit_the_machine():
-    """Unset, a GPU serves with the lead schedule and longer first chunks in busy steps, the CPU (the tiny model
-    slower than real time, every buffer thin) with the fixed schedule and one-frame starts, both admitting every
-    ready request; a flag always wins."""
-    from realtime.gateway import GPU_BUSY_BATCH, GPU_SCHEDULING, Gateway, GatewayOptions
+    """Unset, a GPU serves with the lead schedule, longer first chunks in busy steps and a 1 s lead target, the CPU
+    (the tiny model slower than real time, every buffer thin) with the fixed schedule, one-frame starts and no
+    target, both admitting every ready request; a flag always wins (a lead target of 0: none)."""
+    from realtime.gateway import GPU_BUSY_BATCH, GPU_LEAD_TARGET_S, GPU_SCHEDULING, Gateway, GatewayOptions
 
-    def scheduling(**options) -> tuple[str, str, int | None]:
+    def scheduling(**options) -> tuple[str, str, int | None, float | None]:
         config = Gateway(GatewayOptions(**options))._engine_config()
-        return config.chunk_schedule, config.admission, config.busy_batch
+        return config.chunk_schedule, config.admission, config.busy_batch, config.lead_target_s
 
-    assert scheduling() == ("fixed", "all", None)
-    assert scheduling(device="cuda") == (*GPU_SCHEDULING, GPU_BUSY_BATCH) == ("lead", "all", 32)
-    assert scheduling(device="cuda", chunk_schedule="fixed", admission="protect", busy_batch=1000) == (
-        "fixed", "protect", 1000)
+    assert scheduling() == ("fixed", "all", None, None)
+    assert scheduling(device="cuda") == (*GPU_SCHEDULING, GPU_BUSY_BATCH, GPU_LEAD_TARGET_S) == ("lead", "all", 32, 1.0)
+    assert scheduling(device="cuda", chunk_schedule="fixed", admission="protect", busy_batch=1000, lead_target_s=0) == (
+        "fixed", "protect", 1000, None)
+    assert scheduling(lead_target_s=0.5)[3] == 0.5
 
 
 def test_session_limit_follows_the_engine_slots():

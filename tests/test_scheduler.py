@@ -280,6 +280,13 @@ def test_a_lead_target_holds_a_stream_far_ahead_until_a_request_waits_for_a_slot
     alone.add(Waiting(0, True, frames=26, first_audio_at=now - 1.0))
     alone.admit(lambda request: True)
     assert not alone.steppable() and Scheduler(1).next_release() is None
+    quiet = Scheduler(4, lead_target_s=1.0, busy_rows=2, clock=lambda: now)  # held only while more than 2 run
+    for request_id in range(3):
+        quiet.add(Waiting(request_id, True, frames=26, first_audio_at=now - 1.0))
+    quiet.admit(lambda request: True)
+    assert quiet.schedule()[1] == list(quiet.running.values())
+    quiet.cancel(2)
+    assert quiet.schedule() == (list(quiet.running.values()), []) and quiet.next_release() is None
     with pytest.raises(ValueError, match="positive"):
         Scheduler(1, lead_target_s=float("nan"))
 

@@ -65,7 +65,8 @@ class EngineConfig:
     max_step_batch: int | None = None  # None: every runnable request steps
     chunk_schedule: str = "fixed"  # "fixed" (1, 1, 2, 4 ... frames) | "lead" (by the client's buffer; decoding.py)
     admission: str = "all"  # "all" (every ready request) | "protect" (prefills wait for thin leads; scheduler.py)
-    lead_target_s: float | None = None  # interactive requests this far ahead of playback hold (scheduler.py)
+    # interactive requests this far ahead of playback hold while more than `busy_batch` run (scheduler.py)
+    lead_target_s: float | None = None
     guard: RunawayGuard = field(default_factory=RunawayGuard)
     # Benchmark-only, for random-weight checkpoints (never EOS): each request makes exactly ceil(this x its text
     # tokens) frames (its max_frames if fewer) instead of running to the guard. Refused for an unmarked checkpoint.
@@ -97,7 +98,8 @@ class Engine:
         self.scheduler: Scheduler[Sequence] = Scheduler(shape.slots, config.scheduling, config.max_step_batch,
                                                         config.max_prefill_batch, config.max_waiting,
                                                         admission=config.admission,
-                                                        lead_target_s=config.lead_target_s)
+                                                        lead_target_s=config.lead_target_s,
+                                                        busy_rows=config.busy_batch or 0)
         self._ids = count(1)
 
     @classmethod

@@ -18,12 +18,14 @@ of its audio is still ahead of a client that started playing at its first audio.
 request with more than half a second of audio buffered: its first audio comes in the next step unless running
 requests are about to run dry. Requests far ahead of real time are the ones left out when the step is full.
 
-A lead target (`lead_target_s`; off by default, a benchmark option until measured on the GPU) holds an interactive
-request whose audio is that far ahead of its client's playback while no ready request waits for a slot: in a burst
+A lead target (`lead_target_s`; off by default here, 1 s on a GPU by the gateway's default) holds an interactive
+request whose audio is that far ahead of its client's playback while the engine is busy (more than `busy_rows`
+requests run) and no ready request waits for a slot: in a burst
 the engine makes hundreds of streams' audio several times faster than real time, and the gateway's one event loop,
 busy with audio seconds ahead of its players, makes the newcomers' first audio wait (docs/benchmarks.md, tenth
 session). Held there, a stream makes audio at real time; once a request waits for a slot every stream runs ahead
-again, to end and free its slot sooner. `next_release` says when the first held one falls below the target.
+again, to end and free its slot sooner, and a stream on a quiet engine runs ahead as fast as it can (a client that
+saves the audio, not only plays it). `next_release` says when the first held one falls below the target.
 
 Policies are named, so that the engine, the simulator (`engine/core/simulator.py`) and the benchmarks choose them by
 name; each orders the runnable requests and the step takes the first `max_step_batch`:
@@ -135,9 +137,10 @@ class Scheduler(Generic[S]):
     def __init__(self, slots: int, policy: str = "deadline", max_step_batch: int | None = None,
                  max_prefill_batch: int = 64, max_waiting: int | None = None,
                  clock: Callable[[], float] = time.monotonic, admission: str = "all",
-                 lead_target_s: float | None = None) -> None:
+                 lead_target_s: float | None = None, busy_rows: int = 0) -> None:
         """`max_waiting`: None queues without limit (the simulator); `clock`: seconds, for deadlines and first audio;
-        `admission`: one of `ADMISSIONS`; `lead_target_s`: the lead target in seconds (module docstring), or None."""
+        `admission`: one of `ADMISSIONS`; `lead_target_s`: the lead target in seconds (module docstring), or None;
+        `busy_rows`: it holds only while more requests than this run."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if admission not in ADMISSIONS:
@@ -147,6 +150,7 @@ class Scheduler(Generic[S]):
         if lead_target_s is not None and not lead_target_s > 0:
             raise ValueError("the lead target must be a positive number of seconds")
         self.lead_target_s = lead_target_s
+        self.busy_rows = busy_rows
         self.max_step_batch = max_step_batch
         self.max_prefill_batch = max_prefill_batch
         self.max_waiting = max_waiting
@@ -290,8 +294,9 @@ class Scheduler(Generic[S]):
                     if seq.runnable() and _at_target(seq, now, target)), default=None)
 
     def _lead_target(self) -> float | None:
-        """The lead target in force: none while a ready request waits for a slot."""
-        if self.lead_target_s is None or any(seq.ready() for seq in self.waiting):
+        """The lead target in force: none on a quiet engine, nor while a ready request waits for a slot."""
+        quiet = len(self.running) <= self.busy_rows
+        if self.lead_target_s is None or quiet or any(seq.ready() for seq in self.waiting):
             return None
         return self.lead_target_s
 
