@@ -73,7 +73,8 @@ GPU_BUSY_BATCH = 32
 # On a GPU, while more than GPU_BUSY_BATCH requests run and none waits for a slot, a WebSocket context whose audio
 # is this far ahead of its client's playback holds: in a burst of 256 sessions the engine made their audio ~7x
 # faster than real time and the gateway's one loop, busy encoding and sending it, delayed newcomers' first audio
-# (all-context p95 of three bursts 58.6 ms against 38.6 with it, one H200; docs/benchmarks.md, "The lead target").
+# (all-context TTFA p95 pooled over a server's bursts: 58.6 ms without, 38.6 with it on one H200, 56.8 and 42.2 on
+# another; docs/benchmarks.md, "The lead target on a busy GPU").
 GPU_LEAD_TARGET_S = 1.0
 # Sessions, unless --max-sessions says: one per engine slot, at least MIN_SESSIONS (the CPU's 8 slots keep 64). A
 # session speaks one context at a time in practice (it may open max_contexts, each one utterance at a time), so every
