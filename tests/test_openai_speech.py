@@ -245,6 +245,19 @@ def test_a_seed_means_the_same_over_http_as_on_the_socket(seed):
         assert seed is None or isinstance(result.seed, int)
 
 
+@settings(max_examples=100, deadline=None)
+@given(field=st.sampled_from(["seed", "speed", "voice", "model", "input", "temperature"]),
+       digits=st.integers(21, 400), sign=st.sampled_from(["", "-"]))
+def test_an_integer_too_long_for_any_field_is_refused_naming_its_field(field, digits, sign):
+    """Refused while parsing (int() is quadratic in the digits), yet `param` still names the field it was given as,
+    as for any other bad value (a hostile try: a seed of 2**70 came back with `param: null`)."""
+    body = json.dumps({"input": "Hi.", "voice": "ryan"}).replace("{", f'{{"{field}": {sign}{"7" * digits}, ', 1)
+    with pytest.raises(HTTPFailure) as refused:
+        parse_speech_request(speech_body(body.encode()), GATEWAY)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (400, "invalid_message", field)
+    assert f"{digits + len(sign)} digits" in refused.value.message
+
+
 def test_openai_sdk_lists_the_served_model_by_every_name_a_request_may_use(server, client):
     """`client.models.list()` (GET /v1/models, OpenAI's shape): the served model by its names, each of which a speech
     request takes; behind the API key like the other routes."""
