@@ -204,15 +204,6 @@ class GuardedH11Protocol(H11Protocol):
             self._disarm()
         self._watch_body()
 
-    def eof_received(self) -> bool | None:
-        """The client half-closed its side (shutdown(SHUT_WR) once its request is sent, as `nc -N` and some clients
-        do): a request it sent whole is still answered, then the connection closes. uvicorn closed at once and the
-        answer was lost (a hostile try). Owed nothing, or with a request that can no longer be whole, it closes."""
-        if self.cycle is None or self.cycle.response_complete or self.conn.their_state is not h11.DONE:
-            return None  # asyncio closes the socket
-        self.cycle.keep_alive = False
-        return True
-
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (or `_GuardedConnection` refuses) gets the API's JSON error (uvicorn sends plain
         text), unless its answer has begun already; then the close, after what the client still sends is drained
