@@ -26,7 +26,7 @@ from starlette.websockets import WebSocket
 from realtime.auth import Auth, KeyRefused, OriginRefused
 from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
-from realtime.gateway import Gateway, Limits
+from realtime.gateway import SHUTTING_DOWN, Gateway, Limits
 from realtime.lexicons_http import delete_lexicon, list_lexicons, show_lexicon, store_lexicon
 from realtime.speech_http import client_owner, read_speech_request, start_speech
 from realtime.speech_response import CLIENT_GONE, CountedStream, Delivery, speech_response
@@ -336,14 +336,16 @@ async def _body(request: Request, max_bytes: int) -> bytes:
 
 def _check_access(request: Request, gateway: Gateway, auth: Auth, needs_model: bool = True) -> None:
     """Raises HTTPFailure: 401 without a valid key, 403 for a browser origin `--allowed-origin` does not list (as
-    the socket refuses it: a cross-site form post must not store a lexicon or run a synthesis), 503 before the
-    model is ready (when the route needs it)."""
+    the socket refuses it: a cross-site form post must not store a lexicon or run a synthesis), 503 once the server
+    is shutting down, or before the model is ready (when the route needs it)."""
     try:
         auth.check(request)
     except KeyRefused:
         raise HTTPFailure(401, "unauthorized", "a valid API key is required") from None
     except OriginRefused:
         raise HTTPFailure(403, "unauthorized", "this origin is not allowed (--allowed-origin)") from None
+    if gateway.shutting_down:  # every route, the model's or not: what it stored would be lost with the process
+        raise HTTPFailure(503, "overloaded", SHUTTING_DOWN)
     is_ready, reason = gateway.readiness()
     if needs_model and not is_ready:
         raise HTTPFailure(503, "overloaded", f"not ready: {reason}")

@@ -76,6 +76,7 @@ GPU_BUSY_BATCH = 32
 # (all-context TTFA p95 pooled over a server's bursts: 58.6 ms without, 38.6 with it on one H200, 56.8 and 42.2 on
 # another; docs/benchmarks.md, "The lead target on a busy GPU").
 GPU_LEAD_TARGET_S = 1.0
+SHUTTING_DOWN = "the server is shutting down; retry the request"  # to the requests it refuses or ends then
 # Sessions, unless --max-sessions says: one per engine slot, at least MIN_SESSIONS (the CPU's 8 slots keep 64). A
 # session speaks one context at a time in practice (it may open max_contexts, each one utterance at a time), so every
 # session can speak at once without waiting for a slot; one more would wait seconds, for a slot to free, for its
@@ -434,7 +435,7 @@ class Gateway:
         while any(not speech.done for speech in self.http_speech) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for speech in list(self.http_speech):
-            speech.abort(ShuttingDown("the server is shutting down; retry the request"))
+            speech.abort(ShuttingDown(SHUTTING_DOWN))
 
     async def stop(self) -> None:
         for task in list(self._tasks):

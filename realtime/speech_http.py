@@ -20,7 +20,7 @@ from realtime.audio.containers import format_available
 from realtime.audio.formats import HTTP_FORMATS
 from realtime.audio.time_stretch import SPEED_RANGE, TimeStretch
 from realtime.errors import HTTPFailure, engine_http_failure
-from realtime.gateway import Gateway
+from realtime.gateway import SHUTTING_DOWN, Gateway
 from realtime.lexicon import Lexicon
 from realtime.lexicons_http import compile_within
 from realtime.voices import VoiceError
@@ -237,6 +237,8 @@ def start_speech(request: SpeechRequest, gateway: Gateway, owner: str | None) ->
                                     owner=owner)
     except VoiceError as failure:  # an unknown voice (unknown_voice), a bad language or instructions
         raise HTTPFailure(400, failure.code, str(failure), failure.field) from None
+    if gateway.shutting_down:  # its body came after the drain began: it would start after the drain's last look
+        raise HTTPFailure(503, "overloaded", SHUTTING_DOWN)
     speech = gateway.speech_context(template, "none", 0, request.lexicon, READ_AHEAD if request.stream else None)
     gateway.http_speech.add(speech)
     speech.append(request.text)
