@@ -107,3 +107,17 @@ def test_a_number_too_large_for_a_double_is_named_out_of_range(text, field):
     with pytest.raises(ProtocolError, match=f"field '{field}' is a number out of range") as refused:
         parse_message(text)
     assert refused.value.code == "invalid_message"
+
+
+@settings(max_examples=200, deadline=None)
+@given(event_id=st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False))
+def test_an_event_id_is_echoed_only_under_2_63_whether_integer_or_float(event_id):
+    """The bound its error states holds for both kinds of number (a hostile try: 1e308 was echoed)."""
+    text = json.dumps({"type": "ping", "event_id": event_id})
+    if abs(event_id) < 2**63:
+        assert parse_message(text)["event_id"] == event_id
+    else:
+        with pytest.raises(ProtocolError, match="under 2\\*\\*63|digits is out of range") as refused:
+            parse_message(text)
+        assert refused.value.code == "invalid_message"
+

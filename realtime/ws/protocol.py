@@ -367,7 +367,7 @@ def _event_id(message: dict[str, Any]) -> Any:
         _check_text(event_id, "event_id", "invalid_message")
     if isinstance(event_id, bool) or not isinstance(event_id, (str, int, float)) or _not_finite(event_id) or (
             isinstance(event_id, str) and len(event_id) > MAX_NAME_CHARS) or (
-            isinstance(event_id, int) and abs(event_id) >= 2**63):
+            not isinstance(event_id, str) and abs(event_id) >= 2**63):
         raise ProtocolError("invalid_message", f"event_id must be a string of at most {MAX_NAME_CHARS} characters "
                                                "or a finite number under 2**63")
     return event_id
