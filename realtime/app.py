@@ -167,15 +167,16 @@ def create_app(gateway: Gateway) -> Starlette:
         await websocket.accept()
         owner = auth.key(websocket)
         refusal = _access_refusal(websocket, auth) or _room_refusal(  # one a page, beside its session
-            "chat sockets", len(gateway.chat_owners), gateway.chat_sockets_of(owner), gateway.limits)
+            "chat sockets", len(gateway.chats), gateway.chat_sockets_of(owner), gateway.limits)
         if refusal is not None:
             await _refuse(websocket, gateway, *refusal)
             return
-        gateway.chat_owners.append(owner)
+        chat_socket = ChatSocket(websocket, gateway, gateway.options.llm, owner=owner)
+        gateway.chats.add(chat_socket)
         try:
-            await ChatSocket(websocket, gateway, gateway.options.llm, owner=owner).run()
+            await chat_socket.run()
         finally:
-            gateway.chat_owners.remove(owner)
+            gateway.chats.discard(chat_socket)
 
     async def demo_page(request: Request) -> Response:
         return FileResponse(WEB_DIR / "index.html")
@@ -395,7 +396,9 @@ def _room_refusal(kind: str, open_: int, of_key: int, limits: Limits) -> tuple[P
 async def drain(gateway: Gateway) -> None:
     """Graceful shutdown: the sessions and the speech requests get SHUTDOWN_GRACE_S to finish, together; then every
     session cancels its open contexts and closes with 1001, and a speech request still being made ends with
-    `overloaded` (`Gateway.end_speech`)."""
+    `overloaded` (`Gateway.end_speech`). A chat socket's LLM stops at once (what it wrote is still spoken, within
+    the sessions' grace) and it closes with 1001."""
     gateway.shutting_down = True
     await asyncio.gather(*(session.shutdown() for session in list(gateway.sessions)),
+                         *(chat.shutdown() for chat in list(gateway.chats)),
                          gateway.end_speech(SHUTDOWN_GRACE_S), return_exceptions=True)

@@ -20,7 +20,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from realtime.auth import same_key
 from realtime.gateway import Gateway
 from realtime.llm import LLMConfig, LLMError, new_llm_client, stream_chat
-from realtime.ws.protocol import ProtocolError, event, parse_message
+from realtime.ws.protocol import CLOSE_GOING_AWAY, ProtocolError, event, parse_message
 from realtime.ws.rate_limit import MessageBudget
 from realtime.ws.session import Session
 
@@ -87,6 +87,13 @@ class ChatSocket:
             await self._stop_turn(disconnected=True)
             if self._llm_client is not None:
                 await self._llm_client.close()
+
+    async def shutdown(self) -> None:
+        """The server stops: the LLM stops (what it wrote is still spoken, within the sessions' grace) and the socket
+        closes with 1001, as a voxgate.v1 session's does."""
+        await self._stop_turn()
+        with contextlib.suppress(RuntimeError, OSError):  # closed meanwhile
+            await self.ws.close(CLOSE_GOING_AWAY, "server shutting down")
 
     async def _handle(self, text: str) -> None:
         request_id = None  # a parsed request's, which its error names

@@ -187,7 +187,7 @@ class Gateway:
         self.sessions: set = set()
         # the speech endpoint's requests (`start_speech`); each leaves the set once its response is gone
         self.http_speech: weakref.WeakSet[SpeechContext] = weakref.WeakSet()
-        self.chat_owners: list[str | None] = []  # the API key of each open `/v1/chat` socket (at most max_sessions)
+        self.chats: set = set()  # the open `/v1/chat` sockets (ChatSocket; at most max_sessions)
         self.lexicons = LexiconStore()  # named pronunciation lexicons, in memory
         self.http_lexicon_rules = RateLimiter(HTTP_RULES_RATE)  # the rules HTTP requests may have compiled
         self.shutting_down = False
@@ -210,7 +210,7 @@ class Gateway:
 
     def chat_sockets_of(self, key: str | None) -> int:
         """The open `/v1/chat` sockets opened with this API key (`--max-sessions-per-key`)."""
-        return sum(1 for owner in self.chat_owners if same_key(owner, key))
+        return sum(1 for chat in self.chats if same_key(chat.owner, key))
 
     @property
     def model_name(self) -> str:

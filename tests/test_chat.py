@@ -14,7 +14,7 @@ from realtime.gateway import Limits
 from realtime import llm as llm_module
 from realtime.llm import LLMConfig, LLMError, new_llm_client, stream_chat
 from tests.fake_llm import running_fake_llm
-from tests.gateway_server import running_server
+from tests.gateway_server import events_until_closed, running_server
 
 REPLY = ["Hello", " there", ",", " nice", " to", " meet", " you", "."]
 LONG_REPLY = ["Word "] * 200
@@ -516,3 +516,27 @@ def test_a_compressed_llm_body_is_refused_before_it_is_read():
     plain = llm_module._http.Response(200, content=b"data: [DONE]\n\n")
     asyncio.run(llm_module.bound_body(plain))
     assert isinstance(plain.stream, llm_module._BoundedBody)
+
+
+def test_a_server_that_stops_ends_the_turn_and_closes_the_chat_socket_with_1001(llm):
+    """Shutdown (what SIGTERM does): the LLM stops at once and what it wrote is still spoken within the grace; the
+    chat socket closes with 1001 like its session, not with uvicorn's 1012."""
+    llm.reply = LONG_REPLY
+    try:
+        with running_server(Limits(api_keys=("k",)), llm=LLMConfig(llm.url, "m")) as stopping:
+            async def go():
+                tts, session_id, chat, _ = await open_pair(stopping)
+                await ask(chat, session_id, "r", "c")
+                await until(chat, lambda e: e["type"] == "chat.delta")
+                stopping.server.should_exit = True
+                (chat_events, chat_code), (tts_events, tts_code) = await asyncio.gather(
+                    events_until_closed(chat), events_until_closed(tts))
+                done = [e for e in chat_events if e["type"] == "chat.done"]
+                assert chat_code == 1001 and len(done) == 1 and done[0]["reason"] == "cancelled", chat_events[-3:]
+                assert tts_code == 1001 and tts_events[-1]["type"] == "session.closed"
+                spoken = [e for e in tts_events if e["type"] in ("context.done", "context.cancelled")]
+                assert len(spoken) == 1 and (spoken[0]["type"] == "context.cancelled" or spoken[0]["metrics"][
+                    "text_chars"] == len(done[0]["text"]))
+            asyncio.run(go())
+    finally:
+        llm.reply = REPLY
