@@ -62,8 +62,12 @@ def engine_error(error: BaseException | None, context_id: str | None = None) -> 
 
 
 def engine_http_failure(error: BaseException | None) -> HTTPFailure:
+    """The speech endpoint's failure for what the engine reported; a text found empty or too long only once spoken
+    (a lexicon's replacements made it so) names the body's `input` as its `param`, as the same fault found at once
+    does."""
     failure = engine_error(error)
-    return HTTPFailure(_classify(error)[1], failure.code, failure.message)
+    param = "input" if isinstance(error, (EmptyText, TextTooLong)) else None
+    return HTTPFailure(_classify(error)[1], failure.code, failure.message, param)
 
 
 def _classify(error: BaseException | None) -> tuple[str, int]:

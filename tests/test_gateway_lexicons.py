@@ -300,11 +300,17 @@ def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
     assert set(after_done) <= {("error", "context_closed")} and (end or not after_done), order
 
 
-def test_the_speech_endpoint_refuses_a_lexicon_that_expands_past_the_text_limit(small_server):
+def test_the_speech_endpoint_refuses_a_lexicon_that_expands_past_the_text_limit_or_empties_it(small_server):
+    """Found only as the text is spoken, the fault still names the body's `input` (a hostile try: `param` was null,
+    and the message spoke of a context)."""
     grows = [{"term": "ok", "replacement": "k" * 200}]
     status, body = speech(small_server, input="ok ok.", lexicon=grows)
     error = json.loads(body)["error"]
     assert status == 400 and error["code"] == "text_too_long" and str(SMALL_TEXT_LIMIT) in error["message"]
+    assert error["param"] == "input" and "context" not in error["message"]
+    status, body = speech(small_server, input="ok ok.", lexicon=[{"term": "ok", "replacement": " "}])
+    assert status == 400 and json.loads(body)["error"]["code"] == "empty_text"
+    assert json.loads(body)["error"]["param"] == "input"
     assert speech(small_server, input="ok ok.", lexicon=[{"term": "ok", "replacement": "okay"}])[0] == 200
 
 

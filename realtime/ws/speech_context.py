@@ -167,7 +167,7 @@ class SpeechContext:
     def _plan(self, text: str) -> None:
         self._planned_chars += len(text)
         if self.max_text_chars is not None and self._planned_chars > self.max_text_chars:
-            self._refuse(TextTooLong(f"with its lexicon's replacements this context's text takes more than "
+            self._refuse(TextTooLong(f"with the lexicon's replacements the text takes more than "
                                      f"{self.max_text_chars} characters"))
             return
         loop = asyncio.get_running_loop()
