@@ -82,6 +82,6 @@ VOICE_LIBRARY_STATUS = {
     "voice_exists": 409, "voice_limit": 409, "voice_in_use": 409, "upload_too_large": 413}
 
 
-def voice_failure(code: str, message: str) -> HTTPFailure:
-    """A refused voice library request, its status by its code."""
-    return HTTPFailure(VOICE_LIBRARY_STATUS[code], code, message)
+def voice_failure(code: str, message: str, param: str | None = None) -> HTTPFailure:
+    """A refused voice library request, its status by its code; `param`: the form field at fault, where one is."""
+    return HTTPFailure(VOICE_LIBRARY_STATUS[code], code, message, param)

@@ -21,7 +21,14 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from engine.errors import ReferenceTooLong, ReferenceTooShort, RequestError, TextTooLong, UnreadableAudio
+from engine.errors import (
+    AudioInputError,
+    ReferenceTooLong,
+    ReferenceTooShort,
+    RequestError,
+    TextTooLong,
+    UnreadableAudio,
+)
 from engine.model.reference_encoder import decode_reference_audio
 from engine.tts import TTSModel, VoiceRequest
 from realtime.errors import voice_failure
@@ -166,14 +173,15 @@ def _too_large(max_bytes: int):
 async def _upload_of(form: FormData) -> VoiceUpload:
     for field in FIELDS:
         if len(form.getlist(field)) > 1:
-            raise voice_failure("invalid_message", f"{field} is given more than once")
+            raise voice_failure("invalid_message", f"{field} is given more than once", field)
     name, transcript, instruction = (_text_field(form, field) for field in ("name", "transcript", "instruction"))
     if name is None:
         raise voice_failure("invalid_message", "name is required: the voice's id, 1 to 64 letters, digits, '_', "
-                                               "'-' or '.', starting with a letter or digit")
+                                               "'-' or '.', starting with a letter or digit", "name")
     audio = form.get("audio")
     if audio is not None and not isinstance(audio, UploadFile):
-        raise voice_failure("invalid_message", "audio must be a file part (a filename in its Content-Disposition)")
+        raise voice_failure("invalid_message", "audio must be a file part (a filename in its Content-Disposition)",
+                            "audio")
     return VoiceUpload(name, await audio.read() if audio is not None else None, transcript, instruction)
 
 
@@ -181,7 +189,7 @@ def _text_field(form: FormData, field: str) -> str | None:
     """A text field, None when absent or blank (nothing visible: spaces, zero-width or other format characters)."""
     value = form.get(field)
     if isinstance(value, UploadFile):
-        raise voice_failure("invalid_message", f"{field} must be a text field, not a file")
+        raise voice_failure("invalid_message", f"{field} must be a text field, not a file", field)
     return value if value is not None and has_visible_character(value) else None
 
 
@@ -236,10 +244,11 @@ class VoiceLibrary:
         variant = self.catalog.variant
         if not NAME_PATTERN.fullmatch(upload.name):
             raise voice_failure("invalid_message", f"name {upload.name[:64]!r} is not a voice id: 1 to 64 letters, "
-                                                   "digits, '_', '-' or '.', starting with a letter or digit")
+                                                   "digits, '_', '-' or '.', starting with a letter or digit", "name")
         for field, value in (("transcript", upload.transcript), ("instruction", upload.instruction)):
             if value is not None and len(value) > MAX_INSTRUCTIONS_CHARS:
-                raise voice_failure("text_too_long", f"{field} takes at most {MAX_INSTRUCTIONS_CHARS} characters")
+                raise voice_failure("text_too_long", f"{field} takes at most {MAX_INSTRUCTIONS_CHARS} characters",
+                                    field)
         if variant == "base":
             if upload.audio is None or upload.instruction is not None:
                 raise voice_failure("invalid_message", "a Base model clones a voice: give a reference audio file "
@@ -253,7 +262,8 @@ class VoiceLibrary:
     def _check_room(self, name: str) -> None:
         """The name is free and the library has room for one more."""
         if self.catalog.has(name):
-            raise voice_failure("voice_exists", f"a voice named {name!r} exists already (GET /v1/voices lists them)")
+            raise voice_failure("voice_exists", f"a voice named {name!r} exists already (GET /v1/voices lists them)",
+                                "name")
         if len(self.catalog.stored_voices()) >= self.max_voices:
             raise voice_failure("voice_limit", f"the library holds its maximum of {self.max_voices} voices for this "
                                                "model (--max-stored-voices); delete one first")
@@ -270,19 +280,22 @@ class VoiceLibrary:
                                                     x_vector_only=upload.transcript is None))
                 if not torch.isfinite(voice.xvector).all():  # samples far out of range (a float WAV of 1e30)
                     raise voice_failure("invalid_audio", "the audio gives no usable voice: its speaker embedding is "
-                                                         "not finite (are its samples within -1..1?)")
+                                                         "not finite (are its samples within -1..1?)", "audio")
                 ref_codes = voice.ref_codes.cpu() if voice.ref_codes is not None else None
                 stored = StoredVoice(upload.name, "clone", time.time(), transcript=upload.transcript,
                                      audio_seconds=round(audio.size / rate, 3), xvector=voice.xvector.cpu(),
                                      ref_codes=ref_codes)
         except TextTooLong as failure:
-            raise voice_failure("text_too_long", str(failure)) from None
+            raise voice_failure("text_too_long", str(failure),
+                                "instruction" if upload.instruction is not None else "transcript") from None
+        except AudioInputError as failure:
+            raise voice_failure("invalid_message", str(failure), "audio") from None
         except RequestError as failure:
             raise voice_failure("invalid_message", str(failure)) from None
         try:
             self.store.add(stored)
         except VoiceNameTaken:
-            raise voice_failure("voice_exists", f"a voice named {upload.name!r} exists already") from None
+            raise voice_failure("voice_exists", f"a voice named {upload.name!r} exists already", "name") from None
         return stored, voice
 
     @staticmethod
@@ -299,15 +312,15 @@ def reference_audio(data: bytes) -> tuple[np.ndarray, int]:
     try:
         audio, rate = decode_reference_audio(data, "the audio", MIN_AUDIO_SECONDS, MAX_AUDIO_SECONDS)
     except UnreadableAudio as failure:
-        raise voice_failure("invalid_audio", f"{failure}; upload WAV, FLAC, OGG or MP3") from None
+        raise voice_failure("invalid_audio", f"{failure}; upload WAV, FLAC, OGG or MP3", "audio") from None
     except ReferenceTooShort as failure:
-        raise voice_failure("audio_too_short", str(failure)) from None
+        raise voice_failure("audio_too_short", str(failure), "audio") from None
     except ReferenceTooLong as failure:
-        raise voice_failure("audio_too_long", str(failure)) from None
+        raise voice_failure("audio_too_long", str(failure), "audio") from None
     loudest = loudest_window_dbfs(audio, rate)
     if loudest < SILENCE_DBFS:
         raise voice_failure("audio_silent", f"the audio is silent (its loudest 20 ms is {loudest:.0f} dBFS, under "
-                                            f"{SILENCE_DBFS:.0f}): there is no voice to clone")
+                                            f"{SILENCE_DBFS:.0f}): there is no voice to clone", "audio")
     return audio, rate
 
 

@@ -321,6 +321,13 @@ def test_bad_uploads_get_specific_errors(base_model, tmp_path, one_thread):
         }
         for case, (response, status, code) in cases.items():
             assert (response.status_code, error_code(response)) == (status, code), (case, response.text)
+        # the form field at fault is named, as OpenAI's `param` (a hostile try: it was always null)
+        audio = ("too short", "too long", "a rate no voice has", "silent", "nearly silent", "not audio",
+                 "text, not audio", "audio as a text field")
+        named = {**dict.fromkeys(audio, "audio"), "transcript too long": "transcript", "two names": "name",
+                 **dict.fromkeys(("name taken", "odd name", "name with a space", "name too long", "no name"), "name")}
+        for case, (response, _, _) in cases.items():
+            assert response.json()["error"]["param"] == named.get(case), (case, response.text)
         assert "its boundary occurs more than 10 times" in cases["near-boundaries"][0].json()["error"]["message"]
         unreadable = cases["not audio"][0].json()["error"]["message"]
         assert "Format not recognised" in unreadable and " at 0x" not in unreadable  # libsndfile's words, no repr
@@ -453,6 +460,7 @@ def test_hostile_fields_get_specific_errors(hostile_server, name, transcript, in
         assert httpx.delete(f"{hostile_server.http}/v1/audio/voices/{name}").status_code == 200
     else:
         assert 400 <= response.status_code < 500 and error_code(response) in VOICE_LIBRARY_STATUS, response.text
+        assert response.json()["error"]["param"] in (None, "name", "audio", "transcript", "instruction")
     assert speech(hostile_server, "keeper")[0] == 200
 
 
