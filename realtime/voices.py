@@ -112,11 +112,14 @@ class VoiceCatalog:
         return [name for name, voice in self.openai_voices.items() if voice == key]
 
     def openai_voice(self, voice_id: str | None) -> str | None:
-        """The model's voice for one of OpenAI's voice names; any other id as it is (the model's own voices first:
-        a clone named `alloy` stays itself)."""
+        """The model's voice for one of OpenAI's voice names, in any case; any other id as it is (the model's own
+        voices first: a clone named `alloy` stays itself, and `Alloy` is that clone too, as GET /v1/voices lists)."""
         if voice_id is None or self.has(voice_id):
             return voice_id
-        return self.openai_voices.get(voice_id.lower(), voice_id)
+        name = voice_id.lower()
+        if name in self.openai_voices and self.has(name):
+            return name
+        return self.openai_voices.get(name, voice_id)
 
     @property
     def ids(self) -> list[str]:

@@ -583,6 +583,7 @@ def test_openai_voice_names_follow_the_default_as_voices_come_and_go(base_model,
         assert upload(server, "alloy", wav(seconds=3.0, amplitude=0.5), transcript=TRANSCRIPT).status_code == 201
         assert speech(server, "alloy") != speech(server, "second")
         assert json.loads(server.get("/v1/voices")[1])["openai_voices"]["alloy"] == "alloy"
+        assert speech(server, "Alloy") == speech(server, "alloy")  # OpenAI's names in any case, as listed
 
 
 def test_an_upload_never_takes_a_base_models_default_over(base_model, tmp_path, one_thread):
