@@ -166,8 +166,8 @@ def create_app(gateway: Gateway) -> Starlette:
     async def chat(websocket: WebSocket) -> None:
         await websocket.accept()
         owner = auth.key(websocket)
-        refusal = _access_refusal(websocket, auth) or _room_refusal(  # one a page, beside its session
-            "chat sockets", len(gateway.chats), gateway.chat_sockets_of(owner), gateway.limits)
+        refusal = _access_refusal(websocket, auth) or _stopping_refusal(gateway) or _room_refusal(
+            "chat sockets", len(gateway.chats), gateway.chat_sockets_of(owner), gateway.limits)  # one a page
         if refusal is not None:
             await _refuse(websocket, gateway, *refusal)
             return
@@ -377,6 +377,13 @@ def _socket_refusal(websocket: WebSocket, gateway: Gateway, auth: Auth) -> tuple
     if not is_ready:
         return ProtocolError("overloaded", f"not ready ({reason}); retry later", fatal=True), CLOSE_OVERLOADED
     return _room_refusal("sessions", len(gateway.sessions), gateway.sessions_of(auth.key(websocket)), gateway.limits)
+
+
+def _stopping_refusal(gateway: Gateway) -> tuple[ProtocolError, int] | None:
+    """A socket opened once the drain has begun (it would miss it): refused as a session is (`readiness`)."""
+    if gateway.shutting_down:
+        return ProtocolError("overloaded", SHUTTING_DOWN, fatal=True), CLOSE_OVERLOADED
+    return None
 
 
 def _room_refusal(kind: str, open_: int, of_key: int, limits: Limits) -> tuple[ProtocolError, int] | None:

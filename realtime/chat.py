@@ -18,7 +18,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from realtime.auth import same_key
-from realtime.gateway import Gateway
+from realtime.gateway import SHUTTING_DOWN, Gateway
 from realtime.llm import LLMConfig, LLMError, new_llm_client, stream_chat
 from realtime.ws.protocol import CLOSE_GOING_AWAY, ProtocolError, event, parse_message
 from realtime.ws.rate_limit import MessageBudget
@@ -68,6 +68,7 @@ class ChatSocket:
         self._turn: asyncio.Task | None = None
         self._turn_id: str | None = None
         self._disconnected = False  # the page went away: its context is cancelled, not finished
+        self._stopping = False  # the server stops: no new turn starts
         self._budget = MessageBudget(gateway.limits.max_message_rate, gateway.limits.max_message_bytes)
 
     async def run(self) -> None:
@@ -91,8 +92,9 @@ class ChatSocket:
     async def shutdown(self) -> None:
         """The server stops: the LLM stops (what it wrote is still spoken, within the sessions' grace) and the socket
         closes with 1001, as a voxgate.v1 session's does."""
+        self._stopping = True
         await self._stop_turn()
-        with contextlib.suppress(RuntimeError, OSError):  # closed meanwhile
+        with contextlib.suppress(RuntimeError, OSError, WebSocketDisconnect):  # closed meanwhile
             await self.ws.close(CLOSE_GOING_AWAY, "server shutting down")
 
     async def _handle(self, text: str) -> None:
@@ -108,6 +110,8 @@ class ChatSocket:
                     await self._stop_turn()
                 return
             request = parse_chat_request(message, self.gateway.limits.max_text_chars)
+            if self._stopping:
+                raise ProtocolError("overloaded", SHUTTING_DOWN)
             if self.llm is None:
                 raise ProtocolError("no_llm", "no LLM is configured: start voxgate serve with --llm-url and "
                                               "--llm-model (the page then speaks what you type)")
@@ -125,7 +129,7 @@ class ChatSocket:
     async def _stop_turn(self, disconnected: bool = False) -> None:
         """Stop the LLM; what it wrote is still spoken (`context.end`), unless the page went away."""
         turn, turn_id, self._turn = self._turn, self._turn_id, None
-        self._disconnected = disconnected
+        self._disconnected = self._disconnected or disconnected  # a page gone stays gone (a stop comes after)
         if turn is not None and not turn.done():
             turn.cancel()
             await asyncio.gather(turn, return_exceptions=True)

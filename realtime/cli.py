@@ -156,7 +156,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         f"engine's slots: never; default: {GPU_BUSY_BATCH} on a GPU, never on the CPU")
     p.add_argument("--lead-target", type=float, metavar="S",
                    help="a WebSocket context whose audio is S seconds ahead of its client's playback holds while "
-                        "the engine is busy (more than --busy-batch requests run) and no request waits for a slot "
+                        "the engine is busy (more than --busy-batch requests run; at any load without one) and no "
+                        "request waits for a slot "
                         "(less audio far ahead for the gateway in a burst); 0: never; default: "
                         f"{GPU_LEAD_TARGET_S:g} on a GPU, never on the CPU")
     p.add_argument("--encoder-workers", type=int,

@@ -520,7 +520,7 @@ def test_a_compressed_llm_body_is_refused_before_it_is_read():
 
 def test_a_server_that_stops_ends_the_turn_and_closes_the_chat_socket_with_1001(llm):
     """Shutdown (what SIGTERM does): the LLM stops at once and what it wrote is still spoken within the grace; the
-    chat socket closes with 1001 like its session, not with uvicorn's 1012."""
+    chat socket closes with 1001 like its session, not with uvicorn's 1012; one opened during the drain is refused."""
     llm.reply = LONG_REPLY
     try:
         with running_server(Limits(api_keys=("k",)), llm=LLMConfig(llm.url, "m")) as stopping:
@@ -529,8 +529,13 @@ def test_a_server_that_stops_ends_the_turn_and_closes_the_chat_socket_with_1001(
                 await ask(chat, session_id, "r", "c")
                 await until(chat, lambda e: e["type"] == "chat.delta")
                 stopping.server.should_exit = True
-                (chat_events, chat_code), (tts_events, tts_code) = await asyncio.gather(
-                    events_until_closed(chat), events_until_closed(tts))
+                closing = asyncio.gather(events_until_closed(chat), events_until_closed(tts))
+                while (await asyncio.to_thread(stopping.get, "/ready"))[0] == 200:
+                    await asyncio.sleep(0.05)
+                async with connect(chat_url(stopping)) as late:  # opened during the drain: refused, not missed
+                    late_events, late_code = await events_until_closed(late)
+                assert late_code == 1013 and late_events[-1]["code"] == "overloaded", late_events
+                (chat_events, chat_code), (tts_events, tts_code) = await closing
                 done = [e for e in chat_events if e["type"] == "chat.done"]
                 assert chat_code == 1001 and len(done) == 1 and done[0]["reason"] == "cancelled", chat_events[-3:]
                 assert tts_code == 1001 and tts_events[-1]["type"] == "session.closed"

@@ -121,3 +121,14 @@ def test_an_event_id_is_echoed_only_under_2_63_whether_integer_or_float(event_id
             parse_message(text)
         assert refused.value.code == "invalid_message"
 
+
+@pytest.mark.parametrize("text, field", [
+    ('{"speed": 1111111111111111111111.5, "seed": [22222222222222222222222]}', None),  # a float's digits; an item
+    ('{"seed": 22222222222222222222222, "speed": 1111111111111111111111.5}', "seed"),
+    ('{"a": [22222222222222222222222], "b": 222222222222222222222222}', None),  # not a longer one's key
+])
+def test_an_integer_too_long_is_attributed_to_its_own_key_only(text, field):
+    with pytest.raises(ProtocolError, match="digits is out of range") as refused:
+        load_json(text)
+    assert refused.value.field == field
+

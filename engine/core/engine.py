@@ -65,7 +65,7 @@ class EngineConfig:
     max_step_batch: int | None = None  # None: every runnable request steps
     chunk_schedule: str = "fixed"  # "fixed" (1, 1, 2, 4 ... frames) | "lead" (by the client's buffer; decoding.py)
     admission: str = "all"  # "all" (every ready request) | "protect" (prefills wait for thin leads; scheduler.py)
-    # interactive requests this far ahead of playback hold while more than `busy_batch` run (scheduler.py)
+    # interactive requests this far ahead of playback hold while more than `busy_batch` run (any number if None)
     lead_target_s: float | None = None
     guard: RunawayGuard = field(default_factory=RunawayGuard)
     # Benchmark-only, for random-weight checkpoints (never EOS): each request makes exactly ceil(this x its text

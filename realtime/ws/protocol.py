@@ -126,7 +126,6 @@ MAX_INTEGER_DIGITS = 20  # 2**64 has 20 digits; any longer integer is out of eve
 MAX_JSON_CONTAINERS = 10_000  # arrays and objects in one message (a lexicon of 1,000 rules has 1,001)
 MAX_DROPPED_PEEK_BYTES = 1024  # a rate-limited message this small is read for its ids
 _LONG_DIGITS = re.compile(rf"\d{{{MAX_INTEGER_DIGITS + 1},}}")
-_LONG_FIELD = re.compile(rf'"([^"\\]{{1,{MAX_NAME_CHARS}}})"\s*:\s*-?\d{{{MAX_INTEGER_DIGITS + 1},}}')  # its key
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # field -> most characters (strings) or (lowest, highest) (numbers), in every message type that has the field
 FIELD_LIMITS: dict[str, int | tuple[float, float]] = {
@@ -157,9 +156,8 @@ def _decode_json(raw: str | bytes, code: str) -> tuple[Any, bool]:
         options["parse_int"] = partial(_bounded_int, code)
     try:
         value = json.loads(text, **options)
-    except ProtocolError as failure:  # an integer too long: the field it is the value of, where one is named
-        named = _LONG_FIELD.search(text)
-        failure.field = named.group(1) if named else None
+    except _IntegerTooLong as failure:  # the field it is the value of, where one is named
+        failure.field = _field_of(failure.digits, text)
         raise
     except json.JSONDecodeError as failure:
         raise ProtocolError("invalid_json", f"the message is not valid JSON: {failure}") from None
@@ -204,10 +202,24 @@ def _shape(value: Any) -> tuple[int, int]:
     return depth, containers
 
 
+class _IntegerTooLong(ProtocolError):
+    """An integer refused while parsing; `digits` as written, to find the field it was the value of."""
+
+    def __init__(self, code: str, digits: str) -> None:
+        super().__init__(code, f"an integer of {len(digits.lstrip('-'))} digits is out of range for every field")
+        self.digits = digits
+
+
 def _bounded_int(code: str, digits: str) -> int:
     if len(digits.lstrip("-")) > MAX_INTEGER_DIGITS:
-        raise ProtocolError(code, f"an integer of {len(digits)} digits is out of range for every field")
+        raise _IntegerTooLong(code, digits)
     return int(digits)
+
+
+def _field_of(digits: str, text: str) -> str | None:
+    """The key whose value the integer `digits` is, where one is (not an array's item)."""
+    named = re.search(rf'"([^"\\]{{1,{MAX_NAME_CHARS}}})"\s*:\s*{re.escape(digits)}(?![\d.eE])', text)
+    return named.group(1) if named else None
 
 
 def _no_constant(name: str) -> float:

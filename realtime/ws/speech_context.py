@@ -316,8 +316,9 @@ class SpeechContext:
         self._end_early(error)
 
     def _end_early(self, error: VoxgateError) -> None:
-        """End the context now with `error`, after the audio already delivered (once: not after it has ended)."""
-        if self._task.done():
+        """End the context now with `error`, after the audio already delivered (once: not after it has ended, nor
+        twice in one loop turn, before its cancelled task is done)."""
+        if self._task.done() or self._task.cancelling():
             return
         self.cancel()
         self._events.put_nowait(ContextEnd("error", self.samples, error))
