@@ -431,9 +431,9 @@ class Gateway:
         """The server stops: the speech endpoint's requests get `grace_s` to finish; those still being made then end
         with ShuttingDown (`overloaded`: an SSE stream's `error` event, a raw body's early end, a 503 before the
         first audio), so that no response is left to the server's cancellation, unterminated."""
-        deadline = time.monotonic() + grace_s
-        while any(not speech.done for speech in self.http_speech) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        running = [speech.finished() for speech in self.http_speech]
+        if running:
+            await asyncio.wait(running, timeout=grace_s)
         for speech in list(self.http_speech):
             speech.abort(ShuttingDown(SHUTTING_DOWN))
 

@@ -265,7 +265,7 @@ class SpeechContext:
 
     def _too_slow(self) -> None:
         self._slow_reader = None
-        self._end_early(SlowReader(f"the client read too little of its audio for {self.read_ahead.limit_s:g} s"))
+        self.abort(SlowReader(f"the client read too little of its audio for {self.read_ahead.limit_s:g} s"))
 
     def _on_pause(self) -> None:
         """No text to say for TEXT_PAUSE_S (CONTENDED_PAUSE_S while requests wait for a slot): an utterance that is
@@ -303,21 +303,17 @@ class SpeechContext:
         """End the context now because its own text passed the limit."""
         if not self._task.done():
             self._refused = error
-            self._end_early(error)
+            self.abort(error)
 
-    @property
-    def done(self) -> bool:
-        """Whether the context has ended: every event it will give is queued for `events()`."""
-        return self._task.done()
+    def finished(self) -> asyncio.Future[None]:
+        """Done once the context has ended (every event it will give is queued for `events()`): to wait on
+        (`asyncio.wait`, which never cancels it); the context is stopped by `cancel` or `abort`, not through this."""
+        return self._task
 
     def abort(self, error: VoxgateError) -> None:
-        """End the context now with `error`, from outside (the server stops): its reader gets the audio made so far,
-        then `ContextEnd("error")`."""
-        self._end_early(error)
-
-    def _end_early(self, error: VoxgateError) -> None:
-        """End the context now with `error`, after the audio already delivered (once: not after it has ended, nor
-        twice in one loop turn, before its cancelled task is done)."""
+        """End the context now with `error` (its own text, a slow reader, the server stopping): its reader gets the
+        audio already delivered, then `ContextEnd("error")`; once: not after it has ended, nor twice in one loop
+        turn, before its cancelled task is done."""
         if self._task.done() or self._task.cancelling():
             return
         self.cancel()
