@@ -491,18 +491,19 @@ def test_an_integer_longer_than_any_field_takes_is_refused_by_the_parser(server,
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["text.append", "session.start", "context.flush"]),
-       bound=st.sampled_from(["digits", "depth"]), event_id=st.sampled_from(["e-1", 7, 2.5]),
+       bound=st.sampled_from(["digits", "depth", "a key twice"]), event_id=st.sampled_from(["e-1", 7, 2.5]),
        context_id=st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=20))
 def test_a_message_refused_for_its_bounds_still_names_its_event_and_context(server, kind, bound, event_id,
                                                                            context_id):
     """PROTOCOL.md: errors echo the message's event_id, and a refused append names its context. A message refused
-    while it was parsed (an integer past any field's digits, nesting past 32 levels) carried neither, and a client
-    waiting for its answer by event_id (ours, in start()) waited forever."""
-    out_of_bounds = "9" * (MAX_INTEGER_DIGITS + 5) if bound == "digits" else "[" * 40 + "]" * 40
+    while it was parsed (an integer past any field's digits, nesting past 32 levels, a key given twice) carried
+    neither, and a client waiting for its answer by event_id (ours, in start()) waited forever."""
+    out_of_bounds = {"digits": '"extra": ' + "9" * (MAX_INTEGER_DIGITS + 5), "depth": '"extra": ' + "[" * 40 + "]" * 40,
+                     "a key twice": '"text": "Hi again."'}[bound]
     head = json.dumps({"type": kind, "event_id": event_id, "context_id": context_id, "text": "Hi."})
     async def go():
         conn = await session(server)
-        await conn.ws.send(head[:-1] + ', "extra": %s}' % out_of_bounds)
+        await conn.ws.send(head[:-1] + ", %s}" % out_of_bounds)
         error = (await conn.until(lambda e: e["type"] == "error"))[-1]
         assert error["code"] == "invalid_message" and error["event_id"] == event_id, error
         assert error["context_id"] == context_id, error

@@ -132,3 +132,44 @@ def test_an_integer_too_long_is_attributed_to_its_own_key_only(text, field):
         load_json(text)
     assert refused.value.field == field
 
+
+
+@pytest.mark.parametrize("text", ['{"x": {"seed": 2222222222222222222222}}', '[{"seed": 2222222222222222222222}]',
+                                  '{"x": {"seed": 2222222222222222222222}, "seed": 1}'])
+def test_an_integer_too_long_in_a_nested_object_names_no_field(text):
+    """`param` names a field of the message (a hostile try: a nested key of the same name was named)."""
+    with pytest.raises(ProtocolError, match="22 digits") as refused:
+        load_json(text)
+    assert refused.value.field is None
+
+
+keys = st.text(st.characters(exclude_categories=["Cs"]), max_size=8)
+short_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 6, 10 ** 6), keys)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fields=st.dictionaries(keys, short_scalars, max_size=4), key=keys, first=short_scalars, second=short_scalars,
+       depth=st.integers(0, 3), position=st.integers(0, 4))
+def test_a_key_given_twice_in_any_object_is_refused_naming_it(fields, key, first, second, depth, position):
+    """JSON leaves the meaning of an object with a repeated key to its reader (Python keeps the last value, others the
+    first): such a message is refused, naming the key, and as the field at fault (`param`) only at the top level."""
+    pairs = [json.dumps(name) + ": " + json.dumps(value) for name, value in fields.items() if name != key]
+    pairs.insert(min(position, len(pairs)), json.dumps(key) + ": " + json.dumps(first))
+    pairs.append(json.dumps(key) + ": " + json.dumps(second))
+    text = "{" + ", ".join(pairs) + "}"
+    for _ in range(depth):
+        text = '{"outer": [' + text + "]}"
+    with pytest.raises(ProtocolError, match="given twice in one object") as refused:
+        load_json(text)
+    assert refused.value.code == "invalid_message" and repr(key[:128]) in refused.value.message
+    assert refused.value.field == (key if depth == 0 else None)
+
+
+def test_a_message_with_a_repeated_id_echoes_no_id_it_repeats():
+    """An error echoes the message's event_id and context_id; one given twice names neither value."""
+    with pytest.raises(ProtocolError, match="'text' is given twice") as refused:
+        parse_message('{"type": "text.append", "event_id": "e", "context_id": "c", "text": "a", "text": "b"}')
+    assert (refused.value.event_id, refused.value.context_id, refused.value.field) == ("e", "c", "text")
+    with pytest.raises(ProtocolError, match="'event_id' is given twice") as refused:
+        parse_message('{"type": "ping", "event_id": "e", "event_id": "f"}')
+    assert refused.value.event_id is None

@@ -144,6 +144,17 @@ def test_a_lone_surrogate_names_its_field(server, field):
     assert "lone surrogate" in error["message"] and error["param"] == field, error
 
 
+@pytest.mark.parametrize("field", ["input", "voice", "model"])
+def test_a_field_given_twice_is_refused_by_name(server, field):
+    """A body that gives a key twice means what its reader picks (a proxy may read the first, Python the last)."""
+    body = '{"model": "tts-1", "voice": "vivian", "input": "%s", "%s": "%s"}' % (TEXT, field, "tts-1-hd")
+    response = httpx.post(server.http + "/v1/audio/speech", content=body,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "invalid_message", error
+    assert "given twice" in error["message"] and error["param"] == field, error
+
+
 def test_every_openai_voice_maps_onto_a_voice_the_model_has(server, tiny_checkpoints):
     tts = server.gateway.tts
     catalog = VoiceCatalog(tts)

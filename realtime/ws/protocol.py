@@ -151,18 +151,24 @@ def _decode_json(raw: str | bytes, code: str) -> tuple[Any, bool]:
     surrogate (not yet checked). The checks that walk the value in Python (~1 us an element: a 256 KB message of
     small values cost ~0.2-0.4 s of the event loop) run only where the text says they can find something."""
     text = _utf8_text(raw)
-    options: dict[str, Any] = {"parse_constant": _no_constant}
+    repeated: list[tuple[dict[str, Any], str]] = []  # the first object found with a key given twice, and the key
+    too_long: list[_LongInteger] = []
+    options: dict[str, Any] = {"parse_constant": _no_constant, "object_pairs_hook": partial(_object_of, repeated)}
     if _LONG_DIGITS.search(text):  # an integer that long may be among them: each is checked as it is parsed
-        options["parse_int"] = partial(_bounded_int, code)
+        options["parse_int"] = partial(_bounded_int, too_long)
     try:
         value = json.loads(text, **options)
-    except _IntegerTooLong as failure:  # the field it is the value of, where one is named
-        failure.field = _field_of(failure.digits, text)
-        raise
     except json.JSONDecodeError as failure:
         raise ProtocolError("invalid_json", f"the message is not valid JSON: {failure}") from None
     except RecursionError:
         raise ProtocolError(code, f"JSON nested too deep; at most {MAX_JSON_DEPTH} levels are accepted") from None
+    if too_long:
+        raise _integer_too_long(code, too_long[0], value)
+    if repeated:
+        if _SURROGATE_ESCAPE.search(text):  # a lone surrogate is named first: the key may hold it
+            _check_unicode(value, code)
+        holder, key = repeated[0]
+        raise _repeated_key(code, key, top_level=holder is value)
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # fewer brackets can neither nest deeper nor be many
         depth, containers = _shape(value)
         if containers > MAX_JSON_CONTAINERS:
@@ -202,24 +208,52 @@ def _shape(value: Any) -> tuple[int, int]:
     return depth, containers
 
 
-class _IntegerTooLong(ProtocolError):
-    """An integer refused while parsing; `digits` as written, to find the field it was the value of."""
-
-    def __init__(self, code: str, digits: str) -> None:
-        super().__init__(code, f"an integer of {len(digits.lstrip('-'))} digits is out of range for every field")
-        self.digits = digits
+class _LongInteger(str):
+    """An integer too long for any field, left unconverted (Python's int() is quadratic in the digits)."""
 
 
-def _bounded_int(code: str, digits: str) -> int:
-    if len(digits.lstrip("-")) > MAX_INTEGER_DIGITS:
-        raise _IntegerTooLong(code, digits)
-    return int(digits)
+def _bounded_int(too_long: list[_LongInteger], digits: str) -> int | _LongInteger:
+    if len(digits.lstrip("-")) <= MAX_INTEGER_DIGITS:
+        return int(digits)
+    too_long.append(_LongInteger(digits))
+    return too_long[-1]
 
 
-def _field_of(digits: str, text: str) -> str | None:
-    """The key whose value the integer `digits` is, where one is (not an array's item)."""
-    named = re.search(rf'"([^"\\]{{1,{MAX_NAME_CHARS}}})"\s*:\s*{re.escape(digits)}(?![\d.eE])', text)
-    return named.group(1) if named else None
+def _integer_too_long(code: str, integer: _LongInteger, value: Any) -> ProtocolError:
+    """The refusal of the first integer too long, naming its key where it is a top-level field's value (the
+    message's fields are what an error's `param` names; a nested key of the same name is not one)."""
+    failure = ProtocolError(code, f"an integer of {len(integer.lstrip('-'))} digits is out of range for every field")
+    if isinstance(value, dict):
+        failure.field = next((key[:MAX_NAME_CHARS] for key, item in value.items() if item is integer), None)
+    return failure
+
+
+def _object_of(repeated: list[tuple[dict[str, Any], str]], pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, noting in `repeated` the first one that gives a key twice: JSON leaves such an object's meaning
+    to the reader (Python keeps the last value, other parsers the first), so a proxy and the server could read two
+    different requests in one body."""
+    value = dict(pairs)
+    if len(value) < len(pairs) and not repeated:
+        repeated.append((value, _twice_given(pairs)[0]))
+    return value
+
+
+def _twice_given(pairs: list[tuple[str, Any]]) -> list[str]:
+    """The keys given more than once, in the order of their first repeat."""
+    seen: set[str] = set()
+    twice: dict[str, None] = {}
+    for key, _ in pairs:
+        if key in seen:
+            twice[key] = None
+        seen.add(key)
+    return list(twice)
+
+
+def _repeated_key(code: str, key: str, top_level: bool) -> ProtocolError:
+    failure = ProtocolError(code, f"the key {key[:MAX_NAME_CHARS]!r} is given twice in one object; give each key once")
+    if top_level:
+        failure.field = key[:MAX_NAME_CHARS]
+    return failure
 
 
 def _no_constant(name: str) -> float:
@@ -300,10 +334,19 @@ def _read_leniently(text: str) -> dict[str, Any] | None:
     """A JSON object read only for its top-level fields (no bound on depth; an integer too long for any field is
     read as None, unconverted); None where it is not one, or nests past the interpreter's recursion limit."""
     try:
-        message = json.loads(text, parse_constant=_no_constant, parse_int=_short_int)
+        message = json.loads(text, parse_constant=_no_constant, parse_int=_short_int, object_pairs_hook=_unambiguous)
     except (ValueError, ProtocolError, RecursionError):
         return None
     return message if isinstance(message, dict) else None
+
+
+def _unambiguous(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object without the keys it gives twice (an event_id given twice names no event)."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        for key in _twice_given(pairs):
+            del value[key]
+    return value
 
 
 def _short_int(digits: str) -> int | None:
