@@ -387,6 +387,12 @@ def has_visible_character(text: str) -> bool:
     return any(unicodedata.category(ch) not in _UNSEEN for ch in text)
 
 
+def control_character(text: str) -> str | None:
+    """The first control character in `text` other than whitespace (tab, line ends): NUL, escape, bell; stored text
+    that is read back (a lexicon, a voice's transcript) holds none."""
+    return next((ch for ch in text if unicodedata.category(ch) == "Cc" and not ch.isspace()), None)
+
+
 def _rule(item: Any, index: int) -> Rule:
     if not isinstance(item, dict):
         raise LexiconError(f"rule {index} must be an object {{\"term\": ..., \"replacement\": ...}}")
@@ -400,7 +406,7 @@ def _rule(item: Any, index: int) -> Rule:
         raise LexiconError(f"rule {index}: the term {term!r} has no visible character (only format characters, "
                            "controls or marks)")
     for name, text in (("term", term), ("replacement", replacement)):
-        control = next((ch for ch in text if unicodedata.category(ch) == "Cc" and not ch.isspace()), None)
+        control = control_character(text)
         if control is not None:
             raise LexiconError(f"rule {index}: the {name} holds the control character U+{ord(control):04X}")
     if len(term) > MAX_TERM_CHARS:

@@ -32,7 +32,7 @@ from engine.errors import (
 from engine.model.reference_encoder import decode_reference_audio
 from engine.tts import TTSModel, VoiceRequest
 from realtime.errors import voice_failure
-from realtime.lexicon import has_visible_character
+from realtime.lexicon import control_character, has_visible_character
 from realtime.voice_store import StoredVoice, VoiceNameTaken, VoiceStore
 from realtime.voices import VoiceCatalog
 from realtime.ws.protocol import MAX_INSTRUCTIONS_CHARS
@@ -249,6 +249,10 @@ class VoiceLibrary:
             if value is not None and len(value) > MAX_INSTRUCTIONS_CHARS:
                 raise voice_failure("text_too_long", f"{field} takes at most {MAX_INSTRUCTIONS_CHARS} characters",
                                     field)
+            control = control_character(value or "")
+            if control is not None:
+                raise voice_failure("invalid_message", f"{field} holds the control character U+{ord(control):04X}; "
+                                                       "text fields take none but tabs and line ends", field)
         if variant == "base":
             if upload.audio is None or upload.instruction is not None:
                 raise voice_failure("invalid_message", "a Base model clones a voice: give a reference audio file "
