@@ -144,6 +144,16 @@ def test_a_lone_surrogate_names_its_field(server, field):
     assert "lone surrogate" in error["message"] and error["param"] == field, error
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain; charset=utf-8"])
+def test_the_body_is_json_whatever_its_content_type(server, content_type):
+    """`curl -d '{...}'` sends a form's Content-Type: the body is still the request (docs/protocol.md "HTTP")."""
+    headers = {"Authorization": f"Bearer {KEY}"} | ({"Content-Type": content_type} if content_type else {})
+    body = json.dumps({"input": TEXT, "response_format": "pcm", **SEED})
+    response = httpx.post(server.http + "/v1/audio/speech", content=body, headers=headers, timeout=120)
+    assert response.status_code == 200 and len(response.content) > 0, response.text
+    refused = httpx.post(server.http + "/v1/audio/speech", content=b"input=Hello", headers=headers)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_json", refused.text
+
 @pytest.mark.parametrize("field", ["input", "voice", "model"])
 def test_a_field_given_twice_is_refused_by_name(server, field):
     """A body that gives a key twice means what its reader picks (a proxy may read the first, Python the last)."""
