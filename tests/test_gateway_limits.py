@@ -61,7 +61,7 @@ def test_a_context_held_open_without_text_does_not_keep_an_idle_session(server):
     """PROTOCOL.md: the idle timer runs while no context is generating or sending. A client that opens a context
     and goes quiet (no end) leaves it held, waiting for text, once its words so far are spoken (they are read after
     a pause, docs/protocol.md): that is idle, and its engine slot is freed by the close, where it was kept for
-    good."""
+    good. The context is cancelled with reason `timeout` after the error, before the close."""
     async def go():
         async with connect(server.ws) as ws:
             assert json.loads(await ws.recv())["type"] == "session.started"
@@ -72,8 +72,11 @@ def test_a_context_held_open_without_text_does_not_keep_an_idle_session(server):
             return events, code, time.monotonic() - started
 
     events, code, waited = asyncio.run(go())
-    assert code == 4008 and events[-1]["code"] == "idle_timeout", events[-3:]
+    assert code == 4008 and events[-2]["code"] == "idle_timeout", events[-3:]
     assert waited < 15
+    # the context still gets its final event, with PROTOCOL.md's reason (a hostile try: it got none)
+    assert events[-1]["type"] == "context.cancelled" and events[-1]["context_id"] == "held", events[-3:]
+    assert events[-1]["reason"] == "timeout"
 
 
 def test_a_client_that_floods_and_never_reads_is_closed_not_buffered_for(server):

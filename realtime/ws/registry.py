@@ -110,9 +110,11 @@ class ContextRegistry:
         stream_id, self._next_stream_id = self._next_stream_id, (self._next_stream_id + 1) % STREAM_IDS
         return stream_id
 
-    def cancel(self, context_id: str, reason: str, message: dict[str, Any] | None = None) -> None:
+    def cancel(self, context_id: str, reason: str, message: dict[str, Any] | None = None,
+               urgent: bool = False) -> None:
         """Cancel an open context, or ack an unknown or finished one all the same (idempotent: the id is closed
-        from now on); `message` is the client's context.cancel (its played_ms and event_id)."""
+        from now on); `message` is the client's context.cancel (its played_ms and event_id); `urgent`: the ack goes
+        ahead of what is queued (a fatal error's close follows it)."""
         message = message or {}
         context = self.open.pop(context_id, None)
         if context is None:
@@ -129,12 +131,12 @@ class ContextRegistry:
         self.outbox.put_event(event(
             "context.cancelled", context_id=context_id, audio_sent_ms=round(context.stats.audio_sent_ms, 3),
             reason=reason, heard_text=context.heard_text(played_ms) if played_ms is not None else None,
-            event_id=message.get("event_id")))
+            event_id=message.get("event_id")), urgent=urgent)
 
-    def cancel_all(self, reason: str, message: dict[str, Any] | None = None) -> None:
+    def cancel_all(self, reason: str, message: dict[str, Any] | None = None, urgent: bool = False) -> None:
         """Cancel every open context (`context_id: "*"`, an abort, a shutdown); nothing to ack when none is."""
         for context_id in list(self.open):
-            self.cancel(context_id, reason, message)
+            self.cancel(context_id, reason, message, urgent)
 
     def end_all(self) -> None:
         for context in self.open.values():

@@ -150,14 +150,17 @@ class Session:
             self.outbox.put(Outgoing([], closes=True))
 
     def abort(self, failure: ProtocolError, code: int) -> None:
-        """A fatal error: sent ahead of queued audio (after a warning still queued, which explains it), then the
-        socket closes. Only the first fatal error counts."""
+        """A fatal error: sent ahead of queued audio (after a warning still queued, which explains it), then each
+        open context's `context.cancelled` (reason `timeout` for the idle timeout, else `error`: PROTOCOL.md's
+        reasons, so that every context still gets its final event), then the socket closes. Only the first fatal
+        error counts."""
         if self._aborted:
             return
         self._aborted = True
         self.gateway.metrics.socket.error(failure.code)
         self._close = (code, failure.message[:120])
         self.outbox.put_event(error_event(failure), urgent=True)
+        self.contexts.cancel_all("timeout" if failure.code == "idle_timeout" else "error", urgent=True)
         self.outbox.put(Outgoing([], closes=True), urgent=True)
         self.slow.warning_first()
         # a peer that reads nothing keeps the sender waiting behind its unread audio: after a moment it stops
