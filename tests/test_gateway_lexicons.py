@@ -254,6 +254,42 @@ def test_a_refusal_the_text_pause_releases_answers_the_last_text(small_server, m
     assert asyncio.run(go()) == [("text_too_long", "held")]
 
 
+def test_text_accepted_before_the_lexicon_passed_the_limit_is_spoken_whole(small_server):
+    """The append whose replacements pass the limit is refused; the text before it was accepted and is spoken to its
+    end, the same audio as the context ended there (a hostile try: the context was cancelled, its accepted sentence
+    cut off mid-word)."""
+    async def spoken(past_the_limit: bool) -> tuple[bytes, list[tuple[str, str]]]:
+        ws = await raw(small_server)
+        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "x", "replacement": "y" * 10}],
+                                  "text": {"buffering": "none"}, "audio": {"encoding": "pcm_s16le"},
+                                  "sampling": {"seed": 5}}))
+        await until(ws, lambda e: e["type"] == "session.started")
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there friend."}))
+        audio, errors = b"", []
+        if past_the_limit:
+            while not isinstance(message := await asyncio.wait_for(ws.recv(), 60), bytes):  # its speech is under way
+                pass
+            audio += message[8:]
+            await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "x " * 30, "event_id": "past"}))
+        await ws.send(json.dumps({"type": "context.end", "context_id": "c"}))
+        while True:
+            message = await asyncio.wait_for(ws.recv(), 60)
+            if isinstance(message, bytes):
+                audio += message[8:]
+                continue
+            event = json.loads(message)
+            if event["type"] == "error":
+                errors.append((event["code"], event.get("event_id")))
+            if event["type"] == "context.done":
+                await ws.close()
+                return audio, errors
+
+    whole, none = asyncio.run(spoken(False))
+    cut_short, errors = asyncio.run(spoken(True))
+    assert none == [] and errors == [("text_too_long", "past")]
+    assert len(whole) > 0 and cut_short == whole
+
+
 def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
     """A context its lexicon took past the limit makes no more audio: a flush or mark (or an append with flush) after
     the refusal would never be answered (the client waited for it), so each gets context_closed; its end still gets

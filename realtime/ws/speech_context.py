@@ -9,7 +9,8 @@ context's audio depends only on its text, its flush / mark / end points, its voi
 context ends with a `ContextEnd` carrying the typed error. A pronunciation lexicon rewrites the text before the
 planner sees it, holding back what the next piece could still change; a flush, mark or end releases it. The text
 the planner is given (after the lexicon) is bounded by `max_text_chars` like the client's own text: a lexicon that
-expands a context past it ends the context with `TextTooLong`.
+expands a context past it stops its text there (the text before it is still spoken to its end: it was accepted), and
+the context ends with `TextTooLong`.
 
 A pause closes the utterance being spoken: when no text to say (a letter or a digit) has come for `TEXT_PAUSE_S`
 (`CONTENDED_PAUSE_S` while requests wait for an engine slot), the text so far is complete for the engine (as a flush
@@ -124,7 +125,7 @@ class SpeechContext:
         self.lexicon = LexiconStream(lexicon) if lexicon is not None else None
         self.max_text_chars = max_text_chars
         self._planned_chars = 0
-        self._refused: VoxgateError | None = None  # why the context was ended early by its own text
+        self._refused: VoxgateError | None = None  # why the context's own text was stopped (it passed the limit)
         self.samples = 0
         self._events: asyncio.Queue[ContextEvent] = asyncio.Queue()
         self._markers: dict[int, list[tuple[str, str, Any]]] = {}  # utterance index -> markers after its audio
@@ -154,7 +155,8 @@ class SpeechContext:
 
     @property
     def refused(self) -> bool:
-        """Whether the context's own text ended it early (its lexicon's replacements passed `max_text_chars`)."""
+        """Whether the context's own text was stopped (its lexicon's replacements passed `max_text_chars`): it takes
+        no more, speaks what came before, and ends with `TextTooLong`."""
         return self._refused is not None
 
     def append(self, text: str) -> None:
@@ -300,10 +302,14 @@ class SpeechContext:
         self._pause = loop.call_later(delay_s, self._on_pause)
 
     def _refuse(self, error: VoxgateError) -> None:
-        """End the context now because its own text passed the limit."""
-        if not self._task.done():
+        """Take no more text because the context's own text passed the limit: the text planned before it is spoken
+        to its end (a hostile try: cancelling the request cut accepted text off mid-word, or left it unspoken), then
+        the context ends with `error`."""
+        if self._refused is None and not self._ended:
             self._refused = error
-            self.abort(error)
+            self.planner.close()
+            self._ended = True
+            self._wake.set()
 
     def finished(self) -> asyncio.Future[None]:
         """Done once the context has ended (every event it will give is queued for `events()`): to wait on
@@ -311,7 +317,7 @@ class SpeechContext:
         return self._task
 
     def abort(self, error: VoxgateError) -> None:
-        """End the context now with `error` (its own text, a slow reader, the server stopping): its reader gets the
+        """End the context now with `error` (a slow reader, the server stopping): its reader gets the
         audio already delivered, then `ContextEnd("error")`; once: not after it has ended, nor twice in one loop
         turn, before its cancelled task is done."""
         if self._task.done() or self._task.cancelling():
@@ -343,6 +349,8 @@ class SpeechContext:
     async def _run(self) -> None:
         try:
             error = await self._speak_utterances()
+            if self._refused is not None and (error is None or isinstance(error, EmptyText)):
+                error = self._refused  # what ended its text is the error, whatever was spoken before
         except Exception as failure:  # a refused submit, a failed engine, a bug: the context ends all the same
             error = request_failure(failure, "speaking the context")
         finally:  # its timers would keep the finished context alive (and wake nothing)
