@@ -30,6 +30,10 @@ _OVER_CAPACITY = _closing_response(HTTPFailure(503, "overloaded", "too many open
 _MALFORMED = _closing_response(HTTPFailure(400, "invalid_message", "malformed HTTP/1.1 request: its request line, a "
                                                                    "header or its Content-Length cannot be parsed"),
                                "Bad Request")
+_VERSION_NOT_SERVED = _closing_response(HTTPFailure(505, "invalid_message", "this server speaks HTTP/1.1 (and 1.0): "
+                                                                          "HTTP/2 with prior knowledge, or another "
+                                                                          "major version, is not served"),
+                                       "HTTP Version Not Supported")
 _FRAMED_TWICE = _closing_response(HTTPFailure(400, "invalid_message", "the request gives both Content-Length and "
                                                                       "Transfer-Encoding: frame its body one way"),
                                   "Bad Request")
@@ -46,8 +50,10 @@ _CHUNKS_TOO_SMALL = _closing_response(HTTPFailure(400, "invalid_message", f"a ch
 
 
 class _GuardedConnection(h11.Connection):
-    """h11's server side with three rules more.
+    """h11's server side with four rules more.
 
+    A request of another major version than 1 is refused (505): h11 parsed HTTP/2's connection preface as a request
+    ("PRI *", then "SM" as a second one), and a client that tries HTTP/2 with prior knowledge got two answers.
     A request with both Transfer-Encoding and Content-Length "ought to be handled as an error" (RFC 9112, 6.3): h11
     read the chunked body and ignored the length, and a proxy in front that read the length instead would take the
     rest for another request (request smuggling). A chunked body of chunks too small to be worth their parsing is
@@ -64,6 +70,9 @@ class _GuardedConnection(h11.Connection):
     def next_event(self) -> Any:
         event = super().next_event()
         if isinstance(event, h11.Request):
+            if not event.http_version.startswith(b"1."):  # h11 takes any x.y: HTTP/2's preface was served as a
+                self.refusal = _VERSION_NOT_SERVED  # request, "PRI *" (404), then its "SM" line as another (400)
+                raise h11.RemoteProtocolError(f"HTTP/{event.http_version.decode()} is not served")
             names = {name for name, _ in event.headers}  # h11 gives them lower-cased
             if b"content-length" in names and b"transfer-encoding" in names:
                 self.refusal = _FRAMED_TWICE

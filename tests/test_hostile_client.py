@@ -377,6 +377,31 @@ def test_a_request_http_cannot_parse_gets_the_apis_json_error(server, head):
 
 @settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
           suppress_health_check=list(HealthCheck))
+@given(version=st.tuples(st.integers(0, 9), st.integers(0, 9)), target=st.sampled_from(["*", "/health"]),
+       after=st.sampled_from([b"", b"SM\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"]))
+@example(version=(2, 0), target="*", after=b"SM\r\n\r\n")  # HTTP/2's connection preface (prior knowledge)
+def test_a_request_of_another_major_version_gets_one_answer_505_then_the_close(server, version, target, after):
+    """A hostile try: HTTP/2's preface got a 404 ("PRI *" taken for a request), then a 400 for its "SM" line. A
+    request of major version 1 (any minor, RFC 9110 2.5) is served; any other gets one JSON 505 and the close."""
+    major, minor = version
+    with socket.create_connection(("127.0.0.1", server.port), timeout=EXAMPLE_TIMEOUT_S) as raw:
+        raw.sendall(f"GET {target} HTTP/{major}.{minor}\r\nHost: x\r\nConnection: close\r\n\r\n".encode() + after)
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    if major == 1:
+        assert not answer.startswith(b"HTTP/1.1 505 "), answer[:200]
+    else:
+        status, _, body = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 505 ") and b"application/json" in status, answer[:300]
+        length = int(status.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        assert len(body) == length, answer  # one answer: nothing after its body
+        assert json.loads(body)["error"]["code"] == "invalid_message", answer
+    assert server.get("/health")[0] == 200
+
+
+@settings(max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "120")) // 4, deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(route=st.sampled_from(["/v1/audio/speech", "/v1/lexicons", "/health"]),
        length=st.sampled_from(["Content-Length", "content-length", "CONTENT-LENGTH"]),
        coding=st.sampled_from(["Transfer-Encoding", "transfer-encoding"]), length_first=st.booleans(),

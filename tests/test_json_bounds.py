@@ -4,14 +4,15 @@ generated messages: the same values accepted, the same refused, for the same rea
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from realtime.ws.protocol import (MAX_INTEGER_DIGITS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, ProtocolError, load_json,
-                                 parse_message)
+from realtime.ws.protocol import (MAX_INTEGER_DIGITS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, ProtocolError,
+                                 SessionConfig, configure, load_json, parse_message)
 
 PIECES = ["a", "é", "\ud800", "\udbff", "\udc00", "\\", "\\u", "ud800", "1" * 25, " ", "\"", "\u2028", "[" * 40,
           "\ud83d\ude00"]
@@ -173,3 +174,26 @@ def test_a_message_with_a_repeated_id_echoes_no_id_it_repeats():
     with pytest.raises(ProtocolError, match="'event_id' is given twice") as refused:
         parse_message('{"type": "ping", "event_id": "e", "event_id": "f"}')
     assert refused.value.event_id is None
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"type": "text.append", "context_id": "c", "text": null}', "field 'text' is null; it must be a string"),
+    ('{"type": "text.append", "context_id": "c"}', "field 'text' is missing; it must be a string"),
+    ('{"type": "context.end", "context_id": null}', "field 'context_id' is null"),
+])
+def test_a_required_field_that_is_null_is_not_called_missing(text, words):
+    """A hostile try: `"text": null` was answered "missing field 'text'", though the field was there."""
+    with pytest.raises(ProtocolError, match=re.escape(words)) as refused:
+        parse_message(text)
+    assert refused.value.code == "invalid_message"
+
+
+@pytest.mark.parametrize("encoding, code, words", [
+    ("x" * 200, "unsupported_format", "audio.encoding takes at most 128 characters"),
+    (7, "invalid_config", "audio.encoding must be a string"),
+    ("aac", "unsupported_format", "aac"),
+])
+def test_a_bad_encoding_is_named_for_what_is_wrong_with_it(encoding, code, words):
+    """A hostile try: a 200-character encoding was told it "must be a string", which it was."""
+    _, errors = configure(SessionConfig(), {"audio": {"encoding": encoding}})
+    assert [error.code for error in errors] == [code] and words in errors[0].message, errors[0].message

@@ -442,7 +442,10 @@ def _check_fields(message: dict[str, Any], schemas: dict[str, dict[str, tuple[tu
         value = message.get(name)
         if value is None:
             if required:
-                raise ProtocolError("invalid_message", f"{kind}: missing field {name!r}", context_id=context_id)
+                given = "is null" if name in message else "is missing"
+                expected = " or ".join(dict.fromkeys(_TYPE_NAMES[t] for t in types))
+                raise ProtocolError("invalid_message", f"{kind}: field {name!r} {given}; it must be {expected}",
+                                    context_id=context_id)
             continue
         if _not_finite(value):  # JSON's 1e309 and beyond: a number Python reads as infinity
             raise ProtocolError("invalid_message", f"{kind}: field {name!r} is a number out of range (it must be "
@@ -614,8 +617,11 @@ def _given(fields: dict[str, Any], name: str, default: Any) -> Any:
 
 def _audio(current: AudioFormat, fields: dict[str, Any]) -> AudioFormat:
     encoding = _given(fields, "encoding", current.encoding)
-    if not isinstance(encoding, str) or len(encoding) > MAX_NAME_CHARS:
+    if not isinstance(encoding, str):
         raise ProtocolError("invalid_config", "audio.encoding must be a string naming an encoding")
+    if len(encoding) > MAX_NAME_CHARS:
+        raise ProtocolError("unsupported_format", f"audio.encoding takes at most {MAX_NAME_CHARS} characters; no "
+                                                  "encoding's name is that long")
     rate = fields.get("sample_rate")
     if rate is None:  # a new encoding without a rate takes that encoding's default rate
         rate = current.sample_rate if encoding == current.encoding else DEFAULT_RATES.get(encoding, 0)
