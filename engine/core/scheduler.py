@@ -7,13 +7,11 @@ are free: a client with many requests queued cannot keep another's first request
 streaming-text request waits until its prefill has its text (`Sequence.ready`). The last `reserved_slots` free slots
 (and as many places of the waiting room) are for interactive requests (a conversation's WebSocket contexts): a
 one-shot request (HTTP) passes them by, so that a burst of one-shot requests cannot make a conversation wait for a
-slot; the waiting interactive requests behind it take them. An owner already running a request leaves the last
-quarter of the free slots (`spare_slots`) to owners that run none: turns only share the slots that free, and clients
-whose many long requests filled every slot (a hostile try: 8 contexts of 20,000 characters that it never read; then
-two sessions of 8 each, when the rule kept the spare only from an owner holding half the slots) would keep every
-other client waiting until one of them ended. A lone owner holds as many slots as under that older rule (the slots
-less the spare); only owners that each run several requests leave the spare for a newcomer's first. A running
-request whose next text token has not arrived holds (`Sequence.runnable`); the others are runnable.
+slot; the waiting interactive requests behind it take them. An owner that holds half the slots leaves the last
+quarter of the free slots (`spare_slots`) to other owners: turns only share the slots that free, and a client whose
+many long requests filled every slot (a hostile try: 8 contexts of 20,000 characters that it never read) would
+keep every other client waiting until one of them ended. A running request whose next text token has not arrived
+holds (`Sequence.runnable`); the others are runnable.
 
 When more are runnable than a step holds (`max_step_batch`), a request's urgency is its playback deadline: how much
 of its audio is still ahead of a client that started playing at its first audio. A new request ranks before every
@@ -72,8 +70,8 @@ ROUNDING_S = 1e-9  # a lead within this of the lead target is at it
 
 
 def spare_slots(slots: int) -> int:
-    """Free slots an owner already running a request leaves to owners that run none: a quarter, at least one (none
-    for an engine of one slot)."""
+    """Free slots an owner holding half the slots leaves to other owners: a quarter, at least one (none for an engine
+    of one slot)."""
     return 0 if slots < 2 else max(1, slots // 4)
 
 
@@ -223,9 +221,9 @@ class Scheduler(Generic[S]):
 
     def _slot_for(self, seq: S) -> bool:
         """Whether a slot is free for `seq`: a one-shot request leaves the last `reserved` free slots, a request whose
-        owner already runs one the last `spare`."""
+        owner holds half the slots the last `spare`."""
         keep = 0 if seq.interactive else self.reserved
-        if seq.owner is not None and self.held[seq.owner]:
+        if seq.owner is not None and 2 * self.held[seq.owner] >= self.slots:
             keep = max(keep, self.spare)
         return len(self.free_slots) > keep
 
