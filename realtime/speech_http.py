@@ -243,6 +243,9 @@ def start_speech(request: SpeechRequest, gateway: Gateway, owner: str | None) ->
     gateway.http_speech.add(speech)
     speech.append(request.text)
     speech.end()
+    if speech.refusal is not None:  # the whole input is known: refused before any audio, not cut off mid-body
+        speech.cancel()
+        raise engine_http_failure(speech.refusal)
     return _chunks(speech) if request.speed == 1.0 else _stretched(_chunks(speech), request.speed)
 
 

@@ -254,17 +254,19 @@ def test_a_refusal_the_text_pause_releases_answers_the_last_text(small_server, m
     assert asyncio.run(go()) == [("text_too_long", "held")]
 
 
-def test_text_accepted_before_the_lexicon_passed_the_limit_is_spoken_whole(small_server):
+@pytest.mark.parametrize("accepted", ["Hello there friend.", "Hello there friend"])  # "friend" held: "friendly"?
+def test_text_accepted_before_the_lexicon_passed_the_limit_is_spoken_whole(small_server, accepted):
     """The append whose replacements pass the limit is refused; the text before it was accepted and is spoken to its
-    end, the same audio as the context ended there (a hostile try: the context was cancelled, its accepted sentence
-    cut off mid-word)."""
+    end, what the lexicon held back of it included, the same audio as the context ended there (a hostile try: the
+    context was cancelled, its accepted sentence cut off mid-word)."""
+    lexicon = [{"term": "x", "replacement": "y" * 10}, {"term": "friendly", "replacement": "pal"}]
+
     async def spoken(past_the_limit: bool) -> tuple[bytes, list[tuple[str, str]]]:
         ws = await raw(small_server)
-        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "x", "replacement": "y" * 10}],
-                                  "text": {"buffering": "none"}, "audio": {"encoding": "pcm_s16le"},
-                                  "sampling": {"seed": 5}}))
+        await ws.send(json.dumps({"type": "session.start", "lexicon": lexicon, "text": {"buffering": "none"},
+                                  "audio": {"encoding": "pcm_s16le"}, "sampling": {"seed": 5}}))
         await until(ws, lambda e: e["type"] == "session.started")
-        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there friend."}))
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": accepted}))
         audio, errors = b"", []
         if past_the_limit:
             while not isinstance(message := await asyncio.wait_for(ws.recv(), 60), bytes):  # its speech is under way
@@ -288,6 +290,28 @@ def test_text_accepted_before_the_lexicon_passed_the_limit_is_spoken_whole(small
     cut_short, errors = asyncio.run(spoken(True))
     assert none == [] and errors == [("text_too_long", "past")]
     assert len(whole) > 0 and cut_short == whole
+
+
+@pytest.mark.parametrize("closing", ["context.flush", "mark"])
+def test_a_flush_or_mark_that_releases_text_past_the_limit_is_answered_by_the_refusal_alone(small_server, closing):
+    """The lexicon holds "ok" back (more text could make it another word); the flush or mark releases it, and its
+    replacement passes the limit: the refusal answers that message, and nothing acks it (it closed nothing)."""
+    async def go():
+        ws = await raw(small_server)
+        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "ok", "replacement": "k" * 200}],
+                                  "text": {"buffering": "none"}}))
+        await until(ws, lambda e: e["type"] == "session.started")
+        await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there ok"}))
+        await ws.send(json.dumps({"type": closing, "context_id": "c", "name": "m", "event_id": "closing"}))
+        await ws.send(json.dumps({"type": "context.end", "context_id": "c", "event_id": "end"}))
+        events = await until(ws, lambda e: e["type"] == "context.done")
+        await ws.close()
+        return events
+
+    events = asyncio.run(go())
+    answers = [(e["type"], e.get("code")) for e in events if e.get("event_id") == "closing"]
+    assert answers == [("error", "text_too_long")], answers
+    assert events[-1]["event_id"] == "end"
 
 
 def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
@@ -348,6 +372,9 @@ def test_the_speech_endpoint_refuses_a_lexicon_that_expands_past_the_text_limit_
     assert status == 400 and json.loads(body)["error"]["code"] == "empty_text"
     assert json.loads(body)["error"]["param"] == "input"
     assert speech(small_server, input="ok ok.", lexicon=[{"term": "ok", "replacement": "okay"}])[0] == 200
+    for stream in (True, False):  # the input's last word, held back until its end, is what passes the limit
+        status, body = speech(small_server, input="Hello there ok", lexicon=grows, stream=stream)
+        assert status == 400 and json.loads(body)["error"]["code"] == "text_too_long", body[:200]
 
 
 def test_a_new_inline_lexicon_past_the_servers_bound_is_overloaded_and_the_session_goes_on(server, monkeypatch):

@@ -40,7 +40,7 @@ class SessionContext:
         self.text_chars = 0
         self.ended = False  # no more text (context.end)
         self.end_event_id: Any = None  # the context.end's, echoed on context.done
-        self.refused_event_id: Any = None  # the message whose text ended the context early, echoed on its error
+        self.refused_event_id: Any = None  # the message whose text passed the limit, echoed on its error
         self.text_event_id: Any = None  # the last message that gave it text (a refusal the text pause released)
         self._after_refusal: list[tuple[ProtocolError, Any]] = []  # answers queued behind its text_too_long
         self.cancelled = False
@@ -203,7 +203,7 @@ class SessionContext:
     def _answered_by(self, error: VoxgateError | None) -> Any:
         """The event_id of the message a context's error answers: the text that took it past the limit, or the end
         of a context with nothing to say (`empty_text`); an engine's failure answers no message."""
-        if self.speech.refused:
+        if error is not None and error is self.speech.refusal:
             return self.refused_event_id if self.refused_event_id is not None else self.text_event_id
         return self.end_event_id if isinstance(error, EmptyText) else None
 

@@ -375,9 +375,9 @@ class Session:
 
     @staticmethod
     def _closed_by_its_text(context: SessionContext, message: dict[str, Any]) -> bool:
-        """Whether a flush or mark (answered after the audio of the text before it) comes to a context whose text
-        passed max_text_chars (with its lexicon's replacements): it makes no more audio, so it would never be
-        answered; it gets `context_closed` instead, after the context's `text_too_long` that explains it."""
+        """Whether a flush or mark comes to a context whose text passed max_text_chars (with its lexicon's
+        replacements): it takes no more text, and closes nothing (what it had is spoken to its end), so it gets
+        `context_closed` instead of an ack, after the context's `text_too_long` that explains it."""
         if not context.speech.refused:
             return False
         context.answer_after_refusal(ProtocolError(

@@ -26,6 +26,7 @@ held the loop for over a second on an H100, docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -159,19 +160,40 @@ class SpeechContext:
         no more, speaks what came before, and ends with `TextTooLong`."""
         return self._refused is not None
 
+    @property
+    def refusal(self) -> VoxgateError | None:
+        """The error that stopped the context's text, if its text was stopped."""
+        return self._refused
+
     def append(self, text: str) -> None:
         if self._refused is not None:
             return  # its error is on its way to the client: later text is dropped, not an error of its own
         if self._ended:
             raise RequestError("text appended after the context ended")
-        self._plan(self.lexicon.append(text) if self.lexicon is not None else text)
+        if self.lexicon is None:
+            self._plan(text)
+            return
+        trial = copy.copy(self.lexicon)  # the lexicon as it would be with this text: kept only if the text fits
+        released = trial.append(text)
+        if self._fits(released):
+            self.lexicon = trial
+            self._plan(released)
+        else:  # what the lexicon held back of earlier text was accepted: it is spoken, this text is not
+            self._plan(self.lexicon.finish())
+            self._refuse(self._too_long())
+
+    def _fits(self, text: str) -> bool:
+        return self.max_text_chars is None or self._planned_chars + len(text) <= self.max_text_chars
+
+    def _too_long(self) -> TextTooLong:
+        return TextTooLong(f"with the lexicon's replacements the text takes more than {self.max_text_chars} "
+                           "characters")
 
     def _plan(self, text: str) -> None:
-        self._planned_chars += len(text)
-        if self.max_text_chars is not None and self._planned_chars > self.max_text_chars:
-            self._refuse(TextTooLong(f"with the lexicon's replacements the text takes more than "
-                                     f"{self.max_text_chars} characters"))
+        if not self._fits(text):
+            self._refuse(self._too_long())
             return
+        self._planned_chars += len(text)
         loop = asyncio.get_running_loop()
         self.planner.append(text, loop.time())
         self._appended_at, self._settle = loop.time(), False
@@ -305,7 +327,7 @@ class SpeechContext:
         """Take no more text because the context's own text passed the limit: the text planned before it is spoken
         to its end (a hostile try: cancelling the request cut accepted text off mid-word, or left it unspoken), then
         the context ends with `error`."""
-        if self._refused is None and not self._ended:
+        if self._refused is None and not self._ended and not self._task.done():
             self._refused = error
             self.planner.close()
             self._ended = True
@@ -341,6 +363,8 @@ class SpeechContext:
 
     def _close_with(self, marker: tuple[str, str, Any]) -> None:
         self._release_held()
+        if self._refused is not None:  # the text it released passed the limit: its answer is the refusal, no ack
+            return
         closed = self.planner.close()
         index = closed.index if closed is not None else len(self.planner.utterances) - 1
         self._markers.setdefault(index, []).append(marker)
