@@ -388,9 +388,9 @@ def has_visible_character(text: str) -> bool:
 
 
 def control_character(text: str) -> str | None:
-    """The first control character in `text` other than whitespace (tab, line ends): NUL, escape, bell; stored text
-    that is read back (a lexicon, a voice's transcript) holds none."""
-    return next((ch for ch in text if unicodedata.category(ch) == "Cc" and not ch.isspace()), None)
+    """The first control character in `text` other than a tab or a line end (CR, LF): NUL, escape, bell, form feed;
+    stored text that is read back (a lexicon, a voice's transcript) holds none."""
+    return next((ch for ch in text if unicodedata.category(ch) == "Cc" and ch not in "\t\n\r"), None)
 
 
 def _rule(item: Any, index: int) -> Rule:

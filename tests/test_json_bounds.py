@@ -134,7 +134,6 @@ def test_an_integer_too_long_is_attributed_to_its_own_key_only(text, field):
     assert refused.value.field == field
 
 
-
 @pytest.mark.parametrize("text", ['{"x": {"seed": 2222222222222222222222}}', '[{"seed": 2222222222222222222222}]',
                                   '{"x": {"seed": 2222222222222222222222}, "seed": 1}'])
 def test_an_integer_too_long_in_a_nested_object_names_no_field(text):
@@ -197,3 +196,13 @@ def test_a_bad_encoding_is_named_for_what_is_wrong_with_it(encoding, code, words
     """A hostile try: a 200-character encoding was told it "must be a string", which it was."""
     _, errors = configure(SessionConfig(), {"audio": {"encoding": encoding}})
     assert [error.code for error in errors] == [code] and words in errors[0].message, errors[0].message
+
+
+@pytest.mark.parametrize("depth", [10, 900])
+def test_a_repeated_key_deep_down_is_refused_without_walking_the_value(depth):
+    """A review's finding: with a lone surrogate escape in the text the whole value was walked before its depth was
+    bounded (the error named a path of 900 levels, 2,047 characters; deeper, RecursionError could escape)."""
+    text = "[" * depth + '{"\\ud800": 1, "\\ud800": 2}' + "]" * depth
+    with pytest.raises(ProtocolError) as refused:
+        parse_message(text)
+    assert refused.value.code == "invalid_message" and len(refused.value.message) < 200, refused.value.message

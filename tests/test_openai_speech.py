@@ -154,10 +154,11 @@ def test_the_body_is_json_whatever_its_content_type(server, content_type):
     refused = httpx.post(server.http + "/v1/audio/speech", content=b"input=Hello", headers=headers)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_json", refused.text
 
+
 @pytest.mark.parametrize("field", ["input", "voice", "model"])
 def test_a_field_given_twice_is_refused_by_name(server, field):
     """A body that gives a key twice means what its reader picks (a proxy may read the first, Python the last)."""
-    body = '{"model": "tts-1", "voice": "vivian", "input": "%s", "%s": "%s"}' % (TEXT, field, "tts-1-hd")
+    body = f'{{"model": "tts-1", "voice": "vivian", "input": "{TEXT}", "{field}": "tts-1-hd"}}'
     response = httpx.post(server.http + "/v1/audio/speech", content=body,
                           headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     error = response.json()["error"]

@@ -41,7 +41,7 @@ class SlowConsumerPolicy:
                 seconds = self.hard_limit_ms / 1000
                 self.abort(ProtocolError("slow_consumer", f"the client has read no audio for {seconds:g} s; closing",
                                          fatal=True))
-                await self.outbox.below(self.send_queue_ms)  # the close cancels the context
+                await self.outbox.below(self.send_queue_ms)  # the abort cancels the context (Session.abort)
 
     def should_pause(self, waiting_ms: float) -> bool:
         """The send queue is full and a context's audio waiting behind it has reached `pause_ms`: its synthesis

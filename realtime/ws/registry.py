@@ -122,7 +122,8 @@ class ContextRegistry:
             if context_id in self.finished or self._ids_used() < MAX_CONTEXT_IDS:
                 self._close_id(context_id, audio_sent_ms)  # past the limit no new id opens anyway
             self.outbox.put_event(event("context.cancelled", context_id=context_id, reason=reason,
-                                        audio_sent_ms=round(audio_sent_ms, 3), event_id=message.get("event_id")))
+                                        audio_sent_ms=round(audio_sent_ms, 3), event_id=message.get("event_id")),
+                                  urgent=urgent)
             return
         self.gateway.metrics.contexts_active.dec()
         context.cancel()

@@ -149,18 +149,18 @@ class Session:
             self._close = (code, reason)
             self.outbox.put(Outgoing([], closes=True))
 
-    def abort(self, failure: ProtocolError, code: int) -> None:
-        """A fatal error: sent ahead of queued audio (after a warning still queued, which explains it), then each
-        open context's `context.cancelled` (reason `timeout` for the idle timeout, else `error`: PROTOCOL.md's
-        reasons, so that every context still gets its final event), then the socket closes. Only the first fatal
-        error counts."""
+    def abort(self, failure: ProtocolError, code: int, reason: str = "error") -> None:
+        """A fatal error: sent ahead of queued audio (after a warning still queued, which explains it), then a
+        `context.cancelled` with `reason` (PROTOCOL.md's: `timeout` for the idle timeout) for each context still
+        being made, so that it gets a final event, then the socket closes. What is still queued is dropped (a finished
+        context's audio and `context.done` too). Only the first fatal error counts."""
         if self._aborted:
             return
         self._aborted = True
         self.gateway.metrics.socket.error(failure.code)
         self._close = (code, failure.message[:120])
         self.outbox.put_event(error_event(failure), urgent=True)
-        self.contexts.cancel_all("timeout" if failure.code == "idle_timeout" else "error", urgent=True)
+        self.contexts.cancel_all(reason, urgent=True)
         self.outbox.put(Outgoing([], closes=True), urgent=True)
         self.slow.warning_first()
         # a peer that reads nothing keeps the sender waiting behind its unread audio: after a moment it stops
@@ -168,8 +168,8 @@ class Session:
 
     def _stop_sending(self) -> None:
         """The sender still waits behind audio the peer does not read: it stops, and what was due before the close
-        (the warning and the fatal error, PROTOCOL.md's Backpressure) is written at once behind that audio, where
-        the close frame follows it, so a peer that reads again later learns why it was closed."""
+        (the warning, the fatal error and the cancels, PROTOCOL.md's Backpressure) is written at once behind that
+        audio, where the close frame follows it, so a peer that reads again later learns why it was closed."""
         if self._sender_task is None or self._sender_task.done():
             return
         self._sender_task.cancel()
@@ -190,7 +190,7 @@ class Session:
                 self._last_activity = time.monotonic()  # sending, or generating with all its text in
             elif time.monotonic() - self._last_activity > self.limits.idle_timeout_s:
                 self.abort(ProtocolError("idle_timeout", f"no message for {self.limits.idle_timeout_s:g} s",
-                                         fatal=True), CLOSE_IDLE)
+                                         fatal=True), CLOSE_IDLE, reason="timeout")
                 return
 
     async def shutdown(self) -> None:
