@@ -619,6 +619,33 @@ def test_one_session_leaves_slots_to_others_and_sessions_take_turns():
         asyncio.run(go())
 
 
+def test_two_sessions_that_fill_their_slots_still_leave_one_to_a_newcomer():
+    """A hostile try: two sessions (of one API key) with 8 long contexts each held all 8 slots, and a third client's
+    first audio waited 35 s for one of them to end. Past its first, each session's context leaves the reserve
+    (a sixteenth of them, at least one) to clients that run nothing: the third starts at once, while every hog
+    context still runs or waits."""
+    long_text = "word " * 200
+    with running_server(max_batch=8) as server:
+        async def go() -> None:
+            async with connect(server.ws) as one, connect(server.ws) as two, connect(server.ws) as third:
+                readers = [asyncio.create_task(_read_all(hog)) for hog in (one, two)]
+                for hog, prefix in ((one, "a"), (two, "b")):
+                    for index in range(8):
+                        await hog.send(json.dumps({"type": "text.append", "context_id": f"{prefix}{index}",
+                                                   "text": long_text}))
+                        await hog.send(json.dumps({"type": "context.end", "context_id": f"{prefix}{index}"}))
+                await _until(lambda: server.metric("voxgate_engine_requests_active") == 16  # running or waiting
+                             and server.metric("voxgate_engine_queue_depth") >= 9)
+                await third.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there."}))
+                await third.send(json.dumps({"type": "context.end", "context_id": "c"}))
+                while not isinstance(message := await asyncio.wait_for(third.recv(), 30), bytes):
+                    assert json.loads(message)["type"] != "error", message
+                assert server.metric("voxgate_engine_requests_active") == 17  # no hog context had to end
+                for reader in readers:
+                    reader.cancel()
+        asyncio.run(go())
+
+
 async def _read_all(ws) -> None:
     while True:
         await ws.recv()

@@ -131,8 +131,9 @@ def test_owners_take_turns_for_the_slots(slots, owners, finished, admission):
         def rank(r: Waiting) -> int:
             return 0 if r.owner is None else turns[r.owner]
 
-        def may_start(r: Waiting) -> bool:  # an owner holding half the slots leaves the spare ones
-            return free > (spare_slots(slots) if r.owner is not None and 2 * turns[r.owner] >= slots else 0)
+        def may_start(r: Waiting) -> bool:  # an owner already running one leaves the reserve, holding half the spare
+            held = turns[r.owner] if r.owner is not None else 0
+            return free > max(reserved_slots(slots) if held else 0, spare_slots(slots) if 2 * held >= slots else 0)
 
         for request in scheduler.admit(lambda request: True):  # replayed turn by turn
             least = min(rank(r) for r in candidates if may_start(r))
@@ -184,9 +185,37 @@ def test_one_client_leaves_a_quarter_of_the_slots_to_the_others(slots, hogged, o
     scheduler.admit(lambda request: True)
     held = sum(r.owner == "hog" for r in scheduler.running.values())
     assert held <= slots - spare
-    if held < hogged and scheduler.free_slots:  # its requests wait beside free slots: it holds half, and the
-        assert 2 * held >= slots and len(scheduler.free_slots) <= spare  # spare slots are all that is free
+    if held < hogged and scheduler.free_slots:  # its requests wait beside free slots: the spare ones (it holds
+        # half) or the reserve (it runs one) are all that is free
+        assert len(scheduler.free_slots) <= (spare if 2 * held >= slots else reserved_slots(slots))
     late = [Waiting(2000 + index, True, f"late {index}") for index in range(min(spare, len(scheduler.free_slots)))]
+    for request in late:
+        scheduler.add(request)
+    assert scheduler.admit(lambda request: True) == late
+
+
+@settings(max_examples=300, deadline=None)
+@given(slots=st.integers(1, 64), hogs=st.integers(2, 4), hogged=st.integers(1, 80), early=st.integers(0, 20))
+def test_several_clients_that_fill_their_shares_leave_the_reserve_to_newcomers(slots, hogs, hogged, early):
+    """A hostile try: two sessions of 8 long contexts each held all 8 slots, each under half of them, and a third
+    client's first audio waited 35 s. Past its first, a client's request leaves the reserve (a sixteenth, at least
+    one; none of an engine of one slot) to clients that run nothing: however many fill their shares, the reserve's
+    worth of newcomers arriving after them start at once, unless the hogs' own first requests took it."""
+    scheduler = Scheduler(slots, max_prefill_batch=10**6)
+    reserve = reserved_slots(slots)
+    for index in range(early):  # clients of one request each, there first
+        scheduler.add(Waiting(1000 + index, True, f"early {index}"))
+    scheduler.admit(lambda request: True)
+    before = len(scheduler.free_slots)
+    owners = [f"hog {hog}" for hog in range(hogs)]
+    for index in range(hogged):
+        for hog, owner in enumerate(owners):
+            scheduler.add(Waiting(index * hogs + hog, True, owner))
+    scheduler.admit(lambda request: True)
+    held = Counter(r.owner for r in scheduler.running.values() if r.owner in owners)
+    if sum(held.values()) < hogs * hogged:  # hogs' requests wait: they left the reserve, or their firsts took it
+        assert len(scheduler.free_slots) >= min(reserve, before - min(hogs, before)), (held, before)
+    late = [Waiting(5000 + index, True, f"late {index}") for index in range(len(scheduler.free_slots))]
     for request in late:
         scheduler.add(request)
     assert scheduler.admit(lambda request: True) == late

@@ -10,7 +10,10 @@ one-shot request (HTTP) passes them by, so that a burst of one-shot requests can
 slot; the waiting interactive requests behind it take them. An owner that holds half the slots leaves the last
 quarter of the free slots (`spare_slots`) to other owners: turns only share the slots that free, and a client whose
 many long requests filled every slot (a hostile try: 8 contexts of 20,000 characters that it never read) would
-keep every other client waiting until one of them ended. A running request whose next text token has not arrived
+keep every other client waiting until one of them ended. A request whose owner already runs one leaves the reserve
+too, so that several clients that fill their shares (two sessions of 8 long contexts each, a hostile try) still
+leave a newcomer's first request a slot; it costs a sixteenth of the slots, and only while owners that each run
+several requests fill the engine. A running request whose next text token has not arrived
 holds (`Sequence.runnable`); the others are runnable.
 
 When more are runnable than a step holds (`max_step_batch`), a request's urgency is its playback deadline: how much
@@ -220,10 +223,12 @@ class Scheduler(Generic[S]):
         return any(seq.ready() and self._slot_for(seq) for seq in self.waiting)
 
     def _slot_for(self, seq: S) -> bool:
-        """Whether a slot is free for `seq`: a one-shot request leaves the last `reserved` free slots, a request whose
-        owner holds half the slots the last `spare`."""
-        keep = 0 if seq.interactive else self.reserved
-        if seq.owner is not None and 2 * self.held[seq.owner] >= self.slots:
+        """Whether a slot is free for `seq`: a one-shot request, or one whose owner already runs one, leaves the last
+        `reserved` free slots (a newcomer's first request finds one however many clients fill their shares), a
+        request whose owner holds half the slots the last `spare`."""
+        held = self.held[seq.owner] if seq.owner is not None else 0
+        keep = self.reserved if not seq.interactive or held else 0
+        if 2 * held >= self.slots:
             keep = max(keep, self.spare)
         return len(self.free_slots) > keep
 
