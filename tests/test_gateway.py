@@ -878,7 +878,8 @@ def test_http_speech_voices_health_ready_metrics(server):
     assert server.get("/health")[0] == 200 and server.get("/ready")[0] == 200
     status, body = server.get("/v1/voices", token)
     voices = json.loads(body)
-    assert status == 200 and voices["default"] == "vivian" and {"id", "variant", "languages"} <= set(voices["voices"][0])
+    assert status == 200 and voices["default"] == "vivian"
+    assert {"id", "variant", "languages"} <= set(voices["voices"][0])
     assert server.get("/v1/voices")[0] == 401
     status, page = server.get("/")
     assert status == 200 and b"static/js/app.js" in page and server.get("/static/js/app.js")[0] == 200
