@@ -193,12 +193,19 @@ def small_server():
         yield running
 
 
+async def unbuffered_session(server, lexicon: list[dict], **fields):
+    """A socket whose session has `lexicon`, its text sent to the engine as it comes (`buffering: none`), and
+    `fields` more in its session.start; once session.started has come."""
+    ws = await raw(server)
+    await ws.send(json.dumps({"type": "session.start", "lexicon": lexicon, "text": {"buffering": "none"}, **fields}))
+    await until(ws, lambda e: e["type"] == "session.started")
+    return ws
+
+
 async def context_outcome(server, lexicon: list[dict], pieces: list[str]) -> list[tuple[str, str]]:
     """The (code, event_id) of each error a context gets for `pieces` (appended in turn as events "append-I", then
     ended as "end") until its `context.done`."""
-    ws = await raw(server)
-    await ws.send(json.dumps({"type": "session.start", "lexicon": lexicon, "text": {"buffering": "none"}}))
-    await until(ws, lambda e: e["type"] == "session.started")
+    ws = await unbuffered_session(server, lexicon)
     for i, piece in enumerate(pieces):
         await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": piece, "event_id": f"append-{i}"}))
     await ws.send(json.dumps({"type": "context.end", "context_id": "c", "event_id": "end"}))
@@ -241,10 +248,7 @@ def test_a_refusal_the_text_pause_releases_answers_the_last_text(small_server, m
     monkeypatch.setattr(speech_context, "TEXT_PAUSE_S", 0.3)
 
     async def go():
-        ws = await raw(small_server)
-        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "ok", "replacement": "k" * 200}],
-                                  "text": {"buffering": "none"}}))
-        await until(ws, lambda e: e["type"] == "session.started")
+        ws = await unbuffered_session(small_server, [{"term": "ok", "replacement": "k" * 200}])
         await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there ok",
                                   "event_id": "held"}))
         events = await until(ws, lambda e: e["type"] == "context.done")
@@ -262,10 +266,7 @@ def test_text_accepted_before_the_lexicon_passed_the_limit_is_spoken_whole(small
     lexicon = [{"term": "x", "replacement": "y" * 10}, {"term": "friendly", "replacement": "pal"}]
 
     async def spoken(past_the_limit: bool) -> tuple[bytes, list[tuple[str, str]]]:
-        ws = await raw(small_server)
-        await ws.send(json.dumps({"type": "session.start", "lexicon": lexicon, "text": {"buffering": "none"},
-                                  "audio": {"encoding": "pcm_s16le"}, "sampling": {"seed": 5}}))
-        await until(ws, lambda e: e["type"] == "session.started")
+        ws = await unbuffered_session(small_server, lexicon, audio={"encoding": "pcm_s16le"}, sampling={"seed": 5})
         await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": accepted}))
         audio, errors = b"", []
         if past_the_limit:
@@ -297,10 +298,7 @@ def test_a_flush_or_mark_that_releases_text_past_the_limit_is_answered_by_the_re
     """The lexicon holds "ok" back (more text could make it another word); the flush or mark releases it, and its
     replacement passes the limit: the refusal answers that message, and nothing acks it (it closed nothing)."""
     async def go():
-        ws = await raw(small_server)
-        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "ok", "replacement": "k" * 200}],
-                                  "text": {"buffering": "none"}}))
-        await until(ws, lambda e: e["type"] == "session.started")
+        ws = await unbuffered_session(small_server, [{"term": "ok", "replacement": "k" * 200}])
         await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there ok"}))
         await ws.send(json.dumps({"type": closing, "context_id": "c", "name": "m", "event_id": "closing"}))
         await ws.send(json.dumps({"type": "context.end", "context_id": "c", "event_id": "end"}))
@@ -315,11 +313,11 @@ def test_a_flush_or_mark_that_releases_text_past_the_limit_is_answered_by_the_re
 
 
 def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
-    """A context its lexicon took past the limit makes no more audio: a flush or mark (or an append with flush) after
-    the refusal would never be answered (the client waited for it), so each gets context_closed; its end still gets
-    its context.done. The refusal's context.done may go out while those messages are still on their way: each is
-    answered all the same (a message to a finished context gets context_closed too). The text_too_long that
-    explains them goes first (a hostile try: the context_closed errors came before it, the audio before it still
+    """A context its lexicon took past the limit takes no more text: a flush or mark (or an append with flush) after
+    the refusal closes nothing and would never be acked (the client waited for it), so each gets context_closed; its
+    end still gets its context.done. The refusal's context.done may go out while those messages are still on their
+    way: each is answered all the same (a message to a finished context gets context_closed too). The text_too_long
+    that explains them goes first (a hostile try: the context_closed errors came before it, the audio before it still
     being encoded), and those that came before the context.done are answered before it."""
     answered = {"mark", "flush", "append-flush", "end"}
 
@@ -329,10 +327,7 @@ def test_a_flush_or_mark_after_the_refusal_gets_context_closed(small_server):
         return bool(done) and answered <= ids
 
     async def go():
-        ws = await raw(small_server)
-        await ws.send(json.dumps({"type": "session.start", "lexicon": [{"term": "a", "replacement": "b" * 200}],
-                                  "text": {"buffering": "none"}}))
-        await until(ws, lambda e: e["type"] == "session.started")
+        ws = await unbuffered_session(small_server, [{"term": "a", "replacement": "b" * 200}])
         await ws.send(json.dumps({"type": "text.append", "context_id": "c", "text": "Hello there, how are you? "}))
         while not isinstance(await asyncio.wait_for(ws.recv(), 60), bytes):  # its audio is under way
             pass

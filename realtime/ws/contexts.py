@@ -86,7 +86,7 @@ class SessionContext:
     def _noted(self, event_id: Any) -> None:
         """After a message gave the context text (an append, or a flush, mark or end that releases what the lexicon
         held): the message that made its text too long is the one its error answers."""
-        if self.speech.refused and self.refused_event_id is None:
+        if self.speech.refusal is not None and self.refused_event_id is None:
             self.refused_event_id = event_id
         self.stats.note_speaking(self.speech.planner)
 

@@ -378,7 +378,7 @@ class Session:
         """Whether a flush or mark comes to a context whose text passed max_text_chars (with its lexicon's
         replacements): it takes no more text, and closes nothing (what it had is spoken to its end), so it gets
         `context_closed` instead of an ack, after the context's `text_too_long` that explains it."""
-        if not context.speech.refused:
+        if context.speech.refusal is None:
             return False
         context.answer_after_refusal(ProtocolError(
             "context_closed", f"context {context.context_id!r} has ended: its text passed max_text_chars; use a new "

@@ -155,14 +155,9 @@ class SpeechContext:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     @property
-    def refused(self) -> bool:
-        """Whether the context's own text was stopped (its lexicon's replacements passed `max_text_chars`): it takes
-        no more, speaks what came before, and ends with `TextTooLong`."""
-        return self._refused is not None
-
-    @property
     def refusal(self) -> VoxgateError | None:
-        """The error that stopped the context's text, if its text was stopped."""
+        """The error that stopped the context's own text, if it was stopped (its lexicon's replacements passed
+        `max_text_chars`): it takes no more, speaks what came before, and ends with this `TextTooLong`."""
         return self._refused
 
     def append(self, text: str) -> None:
