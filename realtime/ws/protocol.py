@@ -150,8 +150,8 @@ def _decode_json(raw: str | bytes, code: str) -> tuple[Any, bool]:
     """JSON to Python, within the bounds of depth and integer size, each object's keys given once; and whether a
     string in it may hold a lone surrogate (not yet checked). The checks that walk the value in Python (~1 us an
     element: a 256 KB message of small values cost ~0.2-0.4 s of the event loop) run only where the text says they
-    can find something; the repeated-key check is a call per object as it is parsed (~1 us; 256 KB of `{}` parses in
-    ~46 ms instead of ~29)."""
+    can find something; the repeated-key check is a call per object as it is parsed (~0.7 us a message; 256 KB of
+    `{}` parses in ~43 ms instead of ~22: docs/benchmarks.md, twelfth session)."""
     text = _utf8_text(raw)
     repeated: list[tuple[dict[str, Any], str]] = []  # the first object found with a key given twice, and the key
     too_long: list[_LongInteger] = []
