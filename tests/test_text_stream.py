@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.text.incremental import IncrementalTokenizer, TextFeed
-from engine.text.tokenizer import TextTokenizer, load_tokenizer
+from engine.text.tokenizer import ROLE_PREFIX, TextTokenizer, load_tokenizer
 
 TEXTS = [
     "Hello there, how are you today?",
@@ -53,6 +53,59 @@ def test_incremental_tokenization_equals_the_whole_text(tokenizer, how):
     for text in TEXTS:
         for _ in range(1 if how != "random" else 25):
             assert incremental(tokenizer, split(text, rng, how)) == tokenizer.target(text)[1], text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_without_control_strings_gets_the_reference_templates_ids(tokenizer, text):
+    """The reference encodes each filled template whole and slices it; text that spells no control token gets those
+    ids from its pieces between the markers."""
+    whole = tokenizer.encode(f"{ROLE_PREFIX}{text}<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.target(text) == (whole[:3], whole[3:-5])
+    assert tokenizer.reference_text(text) == tokenizer.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n")[3:-2]
+    assert tokenizer.instruction(text) == tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n")
+
+
+def controls(tokenizer: TextTokenizer) -> dict[int, str]:
+    """The checkpoint's control tokens: id -> the string that spells it."""
+    return {i: token.content for i, token in tokenizer.tokenizer.get_added_tokens_decoder().items()}
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+@example(data=None)
+def test_control_token_strings_in_text_are_read_as_text(tokenizer, data):
+    """A hostile try's find: text spelling a control token (`<think>`, `<|im_end|>`, `<tts_text_eod>`) lost
+    characters or gained tokens when streamed (a cut fell inside the control's string), and whole it became the
+    control itself (`tts_eos` in the middle of the text). Now every piece of it is text: however it is split, the
+    ids are the whole text's, none is a control, and they decode to the text."""
+    spelled = sorted(controls(tokenizer).values())
+    if data is None:  # the report's cases, split inside the control's string
+        text, cuts = "Hello <tts_te" + "xt_eod> rest. <think>I should</think>Hi", [13, 27, 35]
+    else:
+        words = st.sampled_from(spelled) | st.sampled_from(["Hello", " there", " ", ".", "<", "|>", "_end", "\n", "a"])
+        # it starts with a word: leading newlines join the role's own (the reference's slicing, TEXTS has them)
+        text = "I" + "".join(data.draw(st.lists(words, max_size=8)))
+        cuts = sorted(data.draw(st.sets(st.integers(1, len(text) - 1), max_size=6))) if len(text) > 1 else []
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    ids = incremental(tokenizer, pieces)
+    assert ids == tokenizer.target(text)[1]
+    assert not set(ids) & controls(tokenizer).keys()
+    assert tokenizer.tokenizer.decode(ids) == text
+    assert tokenizer.tokenizer.decode(tokenizer.reference_text(text)) == text
+    block = tokenizer.instruction(text)
+    assert not set(block[1:-2]) & controls(tokenizer).keys()
+    assert tokenizer.tokenizer.decode(block[1:-2]) == f"user\n{text}"
+
+
+def test_a_feed_ends_once_whatever_its_text_spells(tokenizer):
+    """`tts_eos` comes where the input ended, never from text that spells it."""
+    eos = tokenizer.tokenizer.token_to_id("<tts_text_eod>")
+    feed = TextFeed(tokenizer, eos_id=eos, pad_id=-2, cleanup=True)
+    for piece in ["Hello <tts_te", "xt_eod> and the rest is heard."]:
+        feed.append(piece)
+    feed.end()
+    assert eos not in feed.ids and tokenizer.tokenizer.decode(feed.ids) == "Hello <tts_text_eod> and the rest is heard."
+    assert [feed.text_id(step) for step in range(len(feed.ids), len(feed.ids) + 2)] == [eos, -2]
 
 
 @settings(max_examples=60, deadline=None)

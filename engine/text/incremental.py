@@ -16,16 +16,16 @@ from __future__ import annotations
 import unicodedata
 
 from engine.text.cleanup import StreamingCleanup
-from engine.text.tokenizer import ROLE_PREFIX, TEXT_SUFFIX, TextTokenizer
+from engine.text.tokenizer import ROLE_WORD, TextTokenizer
 
 HELD_PRE_TOKENS = 2
 
 
 class IncrementalTokenizer:
     def __init__(self, tokenizer: TextTokenizer) -> None:
-        self.tokenizer = tokenizer.tokenizer
-        self._pending = ROLE_PREFIX  # tokenized in context, as the whole text would be; its role ids are dropped
-        self._role_ids = len(tokenizer.role_ids())
+        self.tokenizer = tokenizer.plain  # a control-token string in the text is read as text (TextTokenizer)
+        self._pending = ROLE_WORD  # tokenized in context, as the whole text would be; its role ids are dropped
+        self._role_ids = len(tokenizer.text_ids(ROLE_WORD))
         self.text = ""
 
     def append(self, text: str) -> list[int]:
@@ -51,14 +51,13 @@ class IncrementalTokenizer:
         return self._commit(cut)
 
     def finish(self) -> list[int]:
-        """The end of the input: the remaining ids."""
-        ids = self.tokenizer.encode(self._pending + TEXT_SUFFIX, add_special_tokens=False).ids
-        ids = ids[: len(ids) - len(self.tokenizer.encode(TEXT_SUFFIX, add_special_tokens=False).ids)]
+        """The end of the input: the remaining ids (the template's end marker that follows bounds them)."""
+        ids = self.tokenizer.encode(self._pending, add_special_tokens=False).ids
         self._pending = ""
         return self._drop_role(ids)
 
     def _head(self) -> int:
-        return len(ROLE_PREFIX) if self._role_ids else 0
+        return len(ROLE_WORD) if self._role_ids else 0
 
     def _commit(self, cut: int) -> list[int]:
         encoding = self.tokenizer.encode(self._pending, add_special_tokens=False)

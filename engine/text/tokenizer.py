@@ -50,32 +50,59 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
     return tokenizer
 
 
-ROLE_PREFIX = "<|im_start|>assistant\n"
-TEXT_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+ROLE_WORD = "assistant\n"  # the role's text after its marker: a client's text is tokenized in context after it
+ROLE_PREFIX = IM_START + ROLE_WORD
+
+
+def plain_text(tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` without its control tokens, so that it reads their strings as text: the same BPE (shared, not
+    copied), normaliser, pre-tokenizer and decoder."""
+    plain = Tokenizer(tokenizer.model)
+    plain.normalizer, plain.pre_tokenizer = tokenizer.normalizer, tokenizer.pre_tokenizer
+    plain.decoder = tokenizer.decoder
+    return plain
 
 
 class TextTokenizer:
-    """Token ids for the three prompt pieces, sliced exactly as the reference slices its templates."""
+    """Token ids for the three prompt pieces, sliced exactly as the reference slices its templates.
+
+    A client's text is read as text: a string in it that spells a control token (`<|im_end|>`, `<tts_text_eod>`,
+    `<think>`) is tokenized as its characters (`plain`), and only the templates' own markers are control tokens. The
+    reference encodes the filled template whole, so there such a string becomes the control itself, and a request
+    could end or derail its own speech. A control token also bounds the text around it for the pre-tokenizer, so
+    the text between the markers, encoded alone, gives the ids it has in the whole template."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.plain = plain_text(tokenizer)
         self._role_ids = tuple(self.encode(ROLE_PREFIX))  # every prompt has it: encoded once, not per request
+        self._markers = tuple(self.encode(IM_START + IM_END))
 
     def encode(self, text: str) -> list[int]:
+        """Ids of a template's own text, its control tokens read as controls."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def text_ids(self, text: str) -> list[int]:
+        """Ids of text between two control tokens, every character read as text."""
+        return self.plain.encode(text, add_special_tokens=False).ids
+
     def target(self, text: str) -> tuple[list[int], list[int]]:
-        """(role ids `<|im_start|>assistant\\n`, text ids) of the text to speak."""
-        ids = self.encode(f"{ROLE_PREFIX}{text}{TEXT_SUFFIX}")
-        return ids[:3], ids[3:-5]
+        """(role ids `<|im_start|>assistant\\n`, text ids) of the text to speak: of the reference's template
+        `<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n`, its first 3 ids and all but its
+        last 5."""
+        ids = self.text_ids(ROLE_WORD + text)
+        return [self._markers[0], *ids[:2]], ids[2:]
 
     def role_ids(self) -> list[int]:
         return list(self._role_ids)
 
     def reference_text(self, text: str) -> list[int]:
-        """Text ids of a voice-clone reference transcript."""
-        return self.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n")[3:-2]
+        """Text ids of a voice-clone reference transcript: `<|im_start|>assistant\\n{text}<|im_end|>\\n` but its first 3
+        ids and its last 2."""
+        return self.text_ids(ROLE_WORD + text)[2:]
 
     def instruction(self, text: str) -> list[int]:
-        """The whole instruction block, role and end marker included."""
-        return self.encode(f"<|im_start|>user\n{text}<|im_end|>\n")
+        """The whole instruction block `<|im_start|>user\\n{text}<|im_end|>\\n`, role and end marker included."""
+        start, end = self._markers
+        return [start, *self.text_ids(f"user\n{text}"), end, *self.text_ids("\n")]
