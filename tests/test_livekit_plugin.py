@@ -292,6 +292,59 @@ def test_synthesize_of_blank_text_is_no_audio_and_no_error(server):
     assert asyncio.run(go()) == []
 
 
+@pytest.mark.parametrize("blank", [" ", "\n\n", " \t "])
+def test_a_stream_of_blank_text_is_no_audio_and_no_error(server, blank):
+    """A clients' check found `stream()` failing blank text with the server's `empty_text` where `synthesize()` and
+    LiveKit's base take it as nothing to say; ended by `end_input` or by a flush alone."""
+    async def go(end_input: bool):
+        async with TTS(base_url=server.http) as voxgate:
+            stream = voxgate.stream(conn_options=APIConnectOptions(max_retry=0))
+            for token in blank:
+                stream.push_text(token)
+            stream.end_input() if end_input else stream.flush()
+            async with asyncio.timeout(20):
+                events = [event async for event in stream]
+            await stream.aclose()
+            return events
+
+    assert asyncio.run(go(True)) == [] and asyncio.run(go(False)) == []
+
+
+def test_a_flush_ends_the_streams_segment(server):
+    """LiveKit's `flush()` ends the segment, and LiveKit drops text pushed after it: a clients' check found the
+    stream waiting for an `end_input` that an application calling `flush()` never sends. Now its audio ends with a
+    final frame, all of the text's."""
+    async def go():
+        async with TTS(base_url=server.http, voice=VoiceOptions(seed=SEED)) as voxgate:
+            stream = voxgate.stream()
+            for token in ["Hello", " there,", " how are", " you today?"]:
+                stream.push_text(token)
+            stream.flush()
+            async with asyncio.timeout(60):
+                events = [event async for event in stream]
+            await stream.aclose()
+        return stream, events, await reference_pcm(server, TEXT, 24000)
+
+    stream, events, reference = asyncio.run(go())
+    assert stream.closing_event["type"] == "context.done" and events[-1].is_final
+    assert speech_pcm([e.frame for e in events], 24000) == reference
+
+
+def test_a_regional_language_tag_is_sent_as_its_language(server):
+    """LiveKit writes languages as regional tags ("en-US"); the server takes "en" (a clients' check found both
+    `stream()` and `synthesize()` refused)."""
+    async def go():
+        options = VoiceOptions(language="en-US", seed=SEED)
+        async with aiohttp.ClientSession() as http, TTS(base_url=server.http, http_session=http,
+                                                        voice=options) as voxgate:
+            streamed = (await spoken(voxgate, conn_options=APIConnectOptions(max_retry=0)))[1]
+            whole = [event async for event in voxgate.synthesize(TEXT, conn_options=APIConnectOptions(max_retry=0))]
+        return streamed, whole
+
+    streamed, whole = asyncio.run(go())
+    assert streamed and whole
+
+
 def test_a_chinese_transcript_keeps_its_words_together(server):
     """The server's CJK words are a character and its punctuation each: LiveKit's transcript joins its timed words
     as they are, so only the other words carry a space after them."""

@@ -3,10 +3,12 @@
 - `TTS.stream()` is a `SynthesizeStream` over the socket: one voxgate context per stream, LLM tokens appended as
   they come (they carry their own spaces; the server's buffering decides when they speak; tokens that come while an
   append goes out are joined into the next, at most one append per `APPEND_INTERVAL_S`, so that an LLM's burst stays
-  far under the server's message rate), LiveKit's `flush` mid-stream is `context.flush` (speak what came so far; the
-  stream goes on), `end_input` is `context.end`, and the server's word `timestamps` become the frames' timed
-  transcript. The sockets are pooled (LiveKit's `ConnectionPool`, a socket reused up to 300 s after its last use),
-  each holding its session with a `keepalive` four times per idle timeout while it waits in the pool.
+  far under the server's message rate), LiveKit's `flush` (the segment's end: LiveKit takes one segment a stream
+  and drops text pushed after it) and `end_input` are `context.end`, and the server's word `timestamps` become the
+  frames' timed transcript. Text with nothing but whitespace before its segment's end is nothing to say, as for
+  LiveKit's base: the stream ends with no audio (the server would refuse it as `empty_text`). The sockets are
+  pooled (LiveKit's `ConnectionPool`, a socket reused up to 300 s after its last use), each holding its session
+  with a `keepalive` four times per idle timeout while it waits in the pool.
 - Text the server will not speak (a `TEXT_REFUSALS` error naming the context, then `context.done` with no audio:
   emoji alone) fails the stream with the server's code, not retried; a silent context after another error (an
   engine restarting, overload) is LiveKit's retried failure.
@@ -44,6 +46,7 @@ from voxgate_client.protocol import (
     handshake,
     keepalive_interval_s,
     parse_frame,
+    primary_language,
 )
 from voxgate_client.words import spaced
 
@@ -60,7 +63,7 @@ APPEND_INTERVAL_S = 0.02
 @dataclass(frozen=True)
 class VoiceOptions:
     voice: str | None = None  # None: the server's default voice
-    language: str | None = None  # a name or ISO code; None: "auto"
+    language: str | None = None  # a name, an ISO code or a regional tag ("en-US" is sent as "en"); None: "auto"
     instructions: str | None = None
     seed: int | None = None  # the same seed, text and voice give the same audio
 
@@ -118,7 +121,8 @@ class TTS(tts.TTS):
                 try:
                     session = await handshake(
                         ws, audio={"encoding": "pcm_s16le", "sample_rate": self.sample_rate}, timestamps="word",
-                        voice=self.voice.voice, language=self.voice.language, instructions=self.voice.instructions,
+                        voice=self.voice.voice, language=primary_language(self.voice.language),
+                        instructions=self.voice.instructions,
                         sampling=None if self.voice.seed is None else {"seed": self.voice.seed})
                 except BaseException:
                     await ws.close()
@@ -164,7 +168,7 @@ class ChunkedStream(tts.ChunkedStream):
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         voice = self._tts.voice
         body = {"input": self.input_text, "response_format": "pcm", "voice": voice.voice,
-                "language": voice.language, "instructions": voice.instructions, "seed": voice.seed}
+                "language": primary_language(voice.language), "instructions": voice.instructions, "seed": voice.seed}
         output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=self._tts.sample_rate, num_channels=1,
                                   mime_type="audio/pcm")
         if not self.input_text.strip():
@@ -211,7 +215,8 @@ class SynthesizeStream(tts.SynthesizeStream):
             output_emitter.start_segment(segment_id=context_id)
             voice = self._tts.voice
             await connection.send("text.append", context_id=context_id, event_id=context_id, text=text,
-                                  voice=voice.voice, language=voice.language, instructions=voice.instructions)
+                                  voice=voice.voice, language=primary_language(voice.language),
+                                  instructions=voice.instructions)
             self._mark_started()
             await _both(self._send_rest(connection, context_id), self._receive(connection, context_id,
                                                                                output_emitter))
@@ -235,29 +240,33 @@ class SynthesizeStream(tts.SynthesizeStream):
             self._tts._pool.remove(connection)
 
     async def _first_text(self) -> str | None:
+        """The text up to its first visible character; None if the segment ends (a flush after text, or the end of
+        the input) with none: nothing to say. A flush before any text ends nothing (LiveKit counts no segment)."""
+        text = ""
         async for data in self._input_ch:
-            if isinstance(data, str) and data:
-                return data
+            if isinstance(data, str):
+                text += data
+                if text.strip():
+                    return text
+            elif text:
+                return None
         return None
 
     async def _send_rest(self, connection: Connection, context_id: str) -> None:
-        """The tokens verbatim, those waiting joined into one append, then a pause of `APPEND_INTERVAL_S`; a flush
-        mid-stream is `context.flush`; the end of the input (LiveKit's last flush, the channel closed) is
-        `context.end`."""
+        """The tokens verbatim, those waiting joined into one append, then a pause of `APPEND_INTERVAL_S`, up to the
+        segment's end (a flush; `end_input` flushes too): `context.end`."""
         async for first in self._input_ch:
             items = [first]
             while not self._input_ch.empty():
                 items.append(self._input_ch.recv_nowait())
             text = ""
-            for index, item in enumerate(items):
-                if not isinstance(item, self._FlushSentinel):
-                    text += item
-                    continue
-                await self._append(connection, context_id, text)
-                text = ""
-                if index < len(items) - 1 or not self._input_ch.closed:
-                    await connection.send("context.flush", context_id=context_id, event_id=context_id)
+            for item in items:
+                if isinstance(item, self._FlushSentinel):
+                    break
+                text += item
             await self._append(connection, context_id, text)
+            if isinstance(item, self._FlushSentinel):
+                break
             if not (self._input_ch.closed and self._input_ch.empty()):  # the end goes at once
                 await asyncio.sleep(APPEND_INTERVAL_S)
         await connection.send("context.end", context_id=context_id, event_id=context_id)

@@ -52,6 +52,7 @@ from voxgate_client.protocol import (
     handshake,
     keepalive_interval_s,
     parse_frame,
+    primary_language,
 )
 from voxgate_client.words import is_wide
 
@@ -95,7 +96,7 @@ class VoxgateTTSService(WebsocketTTSService):
 
     def language_to_service_language(self, language: Language) -> str | None:
         """The server takes ISO codes ("en"); Pipecat's regional ones ("en-US") lose their region."""
-        return str(language.value).split("-")[0]
+        return primary_language(language.value)
 
     async def setup(self, setup: FrameProcessorSetup) -> None:
         await super().setup(setup)

@@ -58,6 +58,12 @@ class VoxgateRefused(ServerError):
         self.close_code = close_code
 
 
+def primary_language(language: str | None) -> str | None:
+    """The server takes a language's name or its ISO code ("en"); a regional tag, as LiveKit and Pipecat write
+    them ("en-US", "zh-Hans"), loses its region."""
+    return None if language is None else str(language).split("-")[0]
+
+
 def parse_frame(data: bytes) -> tuple[int, int, int, bytes]:
     """(flags, stream_id, pts, payload) of a binary audio frame."""
     if len(data) < HEADER.size:
