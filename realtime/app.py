@@ -156,7 +156,7 @@ def create_app(gateway: Gateway) -> Starlette:
         if refusal is not None:
             await _refuse(websocket, gateway, *refusal)
             return
-        steps, errors = query_fields(dict(websocket.query_params))
+        steps, errors = query_fields(websocket.query_params.multi_items())
         config = SessionConfig()
         for fields in steps:
             config, refused = configure(config, fields, gateway.voices)

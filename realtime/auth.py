@@ -65,8 +65,10 @@ def same_key(a: str | None, b: str | None) -> bool:
 
 
 def _presented_key(connection: HTTPConnection) -> str | None:
-    """`Authorization: Bearer KEY`, else `?token=KEY`."""
-    return _bearer(connection) or connection.query_params.get("token")
+    """`Authorization: Bearer KEY`, else `?token=KEY` given once (given twice: none, as which one counts is a
+    guess)."""
+    tokens = connection.query_params.getlist("token")
+    return _bearer(connection) or (tokens[0] if len(tokens) == 1 else None)
 
 
 def _bearer(connection: HTTPConnection) -> str | None:

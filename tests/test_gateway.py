@@ -187,6 +187,26 @@ def test_query_parameters_apply_each_on_its_own(server):
     run(go())
 
 
+@pytest.mark.parametrize("query, name", [("?voice=ryan&voice=serena", "voice"),
+                                         ("?encoding=pcm_s16le&sample_rate=16000&sample_rate=abc", "sample_rate"),
+                                         ("?encoding=mulaw&encoding=opus&voice=ryan", "encoding")])
+def test_a_query_parameter_given_twice_is_refused(server, query, name):
+    """A hostile try's find: the last of two values won silently (and the error named only a bad last one). Which
+    was meant is a guess, as with a repeated JSON key: the parameter is refused by name and keeps the default; the
+    others apply."""
+    async def go():
+        conn = await session(server, query)
+        error = (await conn.until(lambda e: e["type"] == "error"))[-1]
+        assert error["code"] == "invalid_config" and not error["fatal"]
+        assert f"'{name}' is given 2 times" in error["message"]
+        defaults = {"voice": "vivian", "sample_rate": 24000, "encoding": "opus"}
+        assert (conn.started["audio"] | {"voice": conn.started["voice"]})[name] == defaults[name]
+        if "voice=ryan" in query and name != "voice":
+            assert conn.started["voice"] == "ryan"
+        await conn.ws.close()
+    run(go())
+
+
 @pytest.mark.parametrize("field, value", [("sample_rate", 24000.5), ("frame_ms", 2.5), ("bitrate", 6000.7)])
 def test_an_audio_field_that_is_a_fraction_is_refused_as_not_whole(server, field, value):
     """An integer field given a fraction is refused saying so, with the value (it is a number, just not a whole
@@ -758,6 +778,9 @@ def test_refusals_wrong_key_and_session_limit(server):
             assert closed.value.rcvd.code == 4001
         async with connect(server.ws + "?token=secret-key") as ws:  # the browser's way
             assert json.loads(await ws.recv())["type"] == "session.started"
+        for tokens in ("?token=wrong&token=secret-key", "?token=secret-key&token=secret-key"):  # given twice: none
+            async with connect(server.ws + tokens) as ws:
+                assert json.loads(await ws.recv())["code"] == "unauthorized"
         held = [await session(server) for _ in range(3)]
         await held[0].send(type="text.append", context_id="keep", text="Keep streaming while refused.")
         await held[0].send(type="context.end", context_id="keep")

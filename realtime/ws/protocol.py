@@ -8,6 +8,7 @@ import json
 import math
 import re
 import struct
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
@@ -684,12 +685,20 @@ def _sampling(current: Sampling, fields: dict[str, Any]) -> Sampling:
     return replace(current, **values)
 
 
-def query_fields(params: dict[str, str]) -> tuple[list[dict[str, Any]], list[ProtocolError]]:
-    """Session defaults from the socket's query string, in session.start's shape, as steps for `configure` in turn
-    (a rate after its encoding: each parameter is applied on its own, so `?encoding=mulaw&sample_rate=16000` keeps
-    mu-law at its own rate and refuses the rate alone), and the errors of bad ones."""
+QUERY_PARAMETERS = ("voice", "language", "preset", "encoding", "sample_rate")
+
+
+def query_fields(items: list[tuple[str, str]]) -> tuple[list[dict[str, Any]], list[ProtocolError]]:
+    """Session defaults from the socket's query string (its (name, value) pairs in order), in session.start's shape,
+    as steps for `configure` in turn (a rate after its encoding: each parameter is applied on its own, so
+    `?encoding=mulaw&sample_rate=16000` keeps mu-law at its own rate and refuses the rate alone), and the errors of
+    bad ones. A parameter given twice is refused, as a repeated JSON key is: which one was meant is a guess."""
+    counts = Counter(name for name, _ in items)
+    params = {name: value for name, value in items if counts[name] == 1}
+    errors = [ProtocolError("invalid_config", f"the query parameter {name!r} is given {counts[name]} times; give it "
+                                              f"once") for name in QUERY_PARAMETERS if counts[name] > 1]
     fields: dict[str, Any] = {k: params[k] for k in ("voice", "language", "preset") if k in params}
-    steps, errors = [fields], []
+    steps = [fields]
     if "encoding" in params:
         fields["audio"] = {"encoding": params["encoding"]}
     if "sample_rate" in params:
