@@ -30,6 +30,10 @@ class UnreadableAudio(AudioInputError):
     """Not audio that libsndfile can decode, no samples, or samples that are not finite."""
 
 
+class UndecodableAudio(UnreadableAudio):
+    """Data that libsndfile cannot decode at all: not audio in a format it reads, or corrupt."""
+
+
 class ReferenceTooShort(AudioInputError):
     """A reference audio shorter than the least a voice can be cloned from."""
 

@@ -27,6 +27,7 @@ from engine.errors import (
     ReferenceTooShort,
     RequestError,
     TextTooLong,
+    UndecodableAudio,
     UnreadableAudio,
 )
 from engine.model.reference_encoder import decode_reference_audio
@@ -315,8 +316,10 @@ def reference_audio(data: bytes) -> tuple[np.ndarray, int]:
     (`audio_silent`)."""
     try:
         audio, rate = decode_reference_audio(data, "the audio", MIN_AUDIO_SECONDS, MAX_AUDIO_SECONDS)
-    except UnreadableAudio as failure:
+    except UndecodableAudio as failure:
         raise voice_failure("invalid_audio", f"{failure}; upload WAV, FLAC, OGG or MP3", "audio") from None
+    except UnreadableAudio as failure:  # read, but not usable (its rate, channels or samples): the message says why
+        raise voice_failure("invalid_audio", str(failure), "audio") from None
     except ReferenceTooShort as failure:
         raise voice_failure("audio_too_short", str(failure), "audio") from None
     except ReferenceTooLong as failure:

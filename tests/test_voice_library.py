@@ -24,7 +24,7 @@ from websockets.asyncio.client import connect
 
 from engine.checkpoint import checkpoint_fingerprint
 from realtime import voice_library
-from realtime.errors import VOICE_LIBRARY_STATUS
+from realtime.errors import VOICE_LIBRARY_STATUS, HTTPFailure
 from realtime.gateway import Limits
 from realtime.voice_library import MAX_AUDIO_SECONDS, MIN_AUDIO_SECONDS
 from realtime.voice_store import StoredVoice, VoiceStore, check_data_dir, tensor_bytes, tensor_from_bytes
@@ -267,6 +267,24 @@ def test_a_session_keeps_the_default_voice_it_was_told(base_model, tmp_path, one
                 return told, refused, client.session["voice"]
 
         assert asyncio.run(run()) == ("carol", "unknown_voice", "dave")
+
+
+@pytest.mark.parametrize("data, says, hint", [
+    (b"\xff\xfb\x90\x00" + bytes(range(256)) * 16, "none of the decoders can read it", True),  # an MP3 frame, then junk
+    (b"not audio at all " * 100, "Format not recognised", True),
+    (wav(2, rate=1), "a sample rate of 1 Hz", False),
+    (wav(2, rate=400_000), "a sample rate of 400000 Hz", False),
+])
+def test_an_unusable_upload_is_told_why(data, says, hint):
+    """A hostile try's find: a corrupt MP3 was told "File does not exist or is not a regular file (possibly a
+    pipe?)", libsndfile's words for a stream none of its decoders starts on; and audio refused for its rate (read
+    fine) was told to upload WAV, FLAC, OGG or MP3 all the same. The format hint is for data that did not decode."""
+    with pytest.raises(HTTPFailure) as refused:
+        voice_library.reference_audio(data)
+    failure = refused.value
+    assert (failure.status, failure.code, failure.param) == (400, "invalid_audio", "audio")
+    assert says in failure.message and "pipe" not in failure.message
+    assert ("upload WAV, FLAC, OGG or MP3" in failure.message) == hint
 
 
 def test_bad_uploads_get_specific_errors(base_model, tmp_path, one_thread):

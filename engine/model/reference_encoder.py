@@ -30,7 +30,14 @@ from torch import nn
 
 from engine.checkpoint import load_module, read_tensors
 from engine.config import SpeechTokenizerConfig, parse_speech_tokenizer_config, read_json
-from engine.errors import AudioInputError, CheckpointError, ReferenceTooLong, ReferenceTooShort, UnreadableAudio
+from engine.errors import (
+    AudioInputError,
+    CheckpointError,
+    ReferenceTooLong,
+    ReferenceTooShort,
+    UndecodableAudio,
+    UnreadableAudio,
+)
 from engine.model.layers import LayerScale, RotaryEmbedding, apply_rope, repeat_kv
 
 MIN_REFERENCE_SECONDS = 0.5
@@ -42,6 +49,7 @@ MAX_REFERENCE_PEAK = 2.0  # float audio a little past full scale is taken as it 
 MAX_REFERENCE_RATE = 192_000
 MAX_REFERENCE_CHANNELS = 8
 UNKNOWN_FRAMES = 2**63 - 1  # libsndfile's frame count of a file whose header does not record its length
+LIBSNDFILE_NOT_A_FILE = 7  # its error "File does not exist or is not a regular file (possibly a pipe?)"
 CHECKPOINT_PREFIX = "encoder."
 
 
@@ -91,9 +99,12 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
     except AudioInputError:
         raise
     except Exception as exc:  # libsndfile raises several types (LibsndfileError, RuntimeError, TypeError)
-        # LibsndfileError's own words, without its "Error opening <object at 0x...>: " prefix
+        # LibsndfileError's own words, without its "Error opening <object at 0x...>: " prefix; from bytes, not its
+        # words about a file that is not there (what it says when none of its decoders can start on the data)
         reason = getattr(exc, "error_string", None) or str(exc)
-        raise UnreadableAudio(f"cannot read {name}: {reason}") from exc
+        if isinstance(source, bytes) and getattr(exc, "code", None) == LIBSNDFILE_NOT_A_FILE:
+            reason = "none of the decoders can read it (not audio, or corrupt)"
+        raise UndecodableAudio(f"cannot read {name}: {reason}") from exc
     if audio.size == 0:
         raise UnreadableAudio(f"{name} is empty (no samples)")
     mono = audio.mean(axis=1) if audio.shape[1] > 1 else audio[:, 0]
