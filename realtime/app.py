@@ -257,11 +257,11 @@ class _Cors(CORSMiddleware):
     def preflight_response(self, request_headers: Headers) -> Response:
         asked = [name.strip().lower() for name in request_headers.get("access-control-request-headers", "").split(",")]
         sdk = [name for name in asked if name.startswith(SDK_HEADER_PREFIX) or name in SDK_HEADERS]
-        if sdk:  # starlette checks the others; these are allowed by name in the answer
-            rest = ", ".join(name for name in asked if name and name not in sdk)
-            request_headers = Headers(raw=[(key, value) for key, value in request_headers.raw
-                                           if key != b"access-control-request-headers"]
-                                      + ([(b"access-control-request-headers", rest.encode())] if rest else []))
+        # starlette checks the others (an empty list's "" it refused); the SDK's are allowed by name in the answer
+        rest = ", ".join(name for name in asked if name and name not in sdk)
+        request_headers = Headers(raw=[(key, value) for key, value in request_headers.raw
+                                       if key != b"access-control-request-headers"]
+                                  + ([(b"access-control-request-headers", rest.encode())] if rest else []))
         response = super().preflight_response(request_headers)
         if response.status_code < 400:
             if sdk:

@@ -287,14 +287,16 @@ def test_the_http_api_takes_the_origins_the_socket_takes(server, origin, status)
     ("https://app.example", "POST", "x-forwarded-for", 400),
     ("https://app.example", "POST", "authorization, content-type, x-stainless-os, x-stainless-retry-count, "
                                     "openai-organization", 200),  # OpenAI's JS SDK in a page
-    ("https://app.example", "POST", "x-stainless-os, x-forwarded-for", 400)])
+    ("https://app.example", "POST", "x-stainless-os, x-forwarded-for", 400),
+    ("https://app.example", "POST", "", 200),  # an empty list (a hostile try: refused as a header not taken)
+    ("https://app.example", "POST", "authorization, , content-type,", 200)])
 def test_a_listed_origins_page_may_call_the_http_api_through_cors(server, origin, method, headers, status):
     """A page on an origin the allow list names calls the API with its key and a JSON body, which needs a CORS
     preflight: it was a 405, so only the socket served such a page. The preflight is answered for the API's
     methods and headers; another origin, method or header is refused with the API's JSON error; a listed origin's
     response lets its script read the audio's headers."""
     asked = {"Origin": origin, "Access-Control-Request-Method": method,
-             **({"Access-Control-Request-Headers": headers} if headers else {})}
+             **({"Access-Control-Request-Headers": headers} if headers is not None else {})}
     preflight = httpx.options(server.http + "/v1/audio/speech", headers=asked)
     assert preflight.status_code == status, preflight.text
     if status == 200:
