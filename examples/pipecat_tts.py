@@ -55,7 +55,9 @@ async def main(url: str, out: str) -> None:
     # one LLM reply, then the end of the pipeline (which waits for the reply's audio)
     await worker.queue_frames([LLMFullResponseStartFrame(), *map(LLMTextFrame, REPLY), LLMFullResponseEndFrame(),
                                EndFrame()])
-    await WorkerRunner(handle_sigint=False).run(worker)
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    await runner.run()
     if not speaker.pcm:
         raise SystemExit("no audio came back: is the server running at " + url)
     with wave.open(out, "wb") as wav:
