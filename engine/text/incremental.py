@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import unicodedata
 
+from tokenizers import Encoding
+
 from engine.text.cleanup import StreamingCleanup
 from engine.text.tokenizer import ROLE_WORD, TextTokenizer
 
@@ -32,23 +34,24 @@ class IncrementalTokenizer:
         """Add text; returns the ids that became final."""
         self.text += text
         self._pending += text
-        spans = [span for _, span in self.tokenizer.pre_tokenizer.pre_tokenize_str(self._pending)]
-        for start, _ in reversed(spans[1:len(spans) - HELD_PRE_TOKENS + 1]):
+        encoding, starts = self._pre_tokens()
+        for start in reversed(starts[1:len(starts) - HELD_PRE_TOKENS + 1]):
             if start >= self._head() and _joinable_cut(self._pending, start):
-                return self._commit(start)
+                return self._commit(encoding, start)
         return []
 
     def settle(self) -> list[int]:
         """The text has paused: the ids of all of it but its trailing pre-tokens of spaces alone (they may still
         join the next word). The cut is a pre-token's end, so no id crosses it ("!" and the newlines after it are
         one pre-token)."""
-        spans = [span for _, span in self.tokenizer.pre_tokenizer.pre_tokenize_str(self._pending)]
-        while spans and self._pending[spans[-1][0]:spans[-1][1]].isspace():
-            spans.pop()
-        cut = spans[-1][1] if spans else 0
+        encoding, starts = self._pre_tokens()
+        ends = [*starts[1:], len(self._pending)]
+        while starts and self._pending[starts[-1]:ends[len(starts) - 1]].isspace():
+            starts.pop()
+        cut = ends[len(starts) - 1] if starts else 0
         if cut <= self._head() or (cut < len(self._pending) and not _joinable_cut(self._pending, cut)):
             return []
-        return self._commit(cut)
+        return self._commit(encoding, cut)
 
     def finish(self) -> list[int]:
         """The end of the input: the remaining ids (the template's end marker that follows bounds them)."""
@@ -59,8 +62,21 @@ class IncrementalTokenizer:
     def _head(self) -> int:
         return len(ROLE_WORD) if self._role_ids else 0
 
-    def _commit(self, cut: int) -> list[int]:
+    def _pre_tokens(self) -> tuple[Encoding, list[int]]:
+        """The pending text's encoding and where each of its pre-tokens starts in it. The pre-tokens are those of
+        the normalised (NFC) text, as the ids are, mapped back onto the text as given: split by the given text's
+        own pre-tokens, decomposed text (macOS's "e" + U+0301) was cut inside one of the normalised text's, and the
+        word across the cut lost characters."""
         encoding = self.tokenizer.encode(self._pending, add_special_tokens=False)
+        starts: list[int] = []
+        last = None
+        for word, (start, _) in zip(encoding.word_ids, encoding.offsets):
+            if word != last:
+                starts.append(start)
+                last = word
+        return encoding, starts
+
+    def _commit(self, encoding: Encoding, cut: int) -> list[int]:
         ids = [i for i, (_, end) in zip(encoding.ids, encoding.offsets) if end <= cut]
         self._pending = self._pending[cut:]
         return self._drop_role(ids)
