@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from engine.core.engine import Engine
-from engine.text.tokenizer import TextTokenizer
 
 TOKENIZE = "TOKENIZEFAULT"
 PROMPT = "PROMPTFAULT"
@@ -35,7 +34,8 @@ def inject_faults(engine: Engine) -> None:
     intra-op thread, as the test process runs with (`one_thread`), so that both give the same numbers."""
     torch.set_num_threads(1)
     tts = engine.tts = copy.copy(engine.tts)
-    tts.tokenizer = TextTokenizer(_Tokenizer(tts.tokenizer.tokenizer))
+    tts.tokenizer = copy.copy(tts.tokenizer)
+    tts.tokenizer.plain = _Tokenizer(tts.tokenizer.plain)  # what reads a client's text, whole or in pieces
     tts.prompt_from_ids = _checked(tts.prompt_from_ids, lambda ids, *_: _raise_if(PROMPT, _decode(tts, ids)))
     runner, decoders = engine.runner, engine.decoding.decoders
     runner.prefill = _checked(runner.prefill, lambda seqs: _raise_for(engine, PREFILL, [s.slot for s in seqs]))
@@ -84,7 +84,7 @@ def _raise_if(marker: str, text: str) -> None:
 
 
 class _Tokenizer:
-    """A `tokenizers.Tokenizer` that raises for text naming TOKENIZE, in whole (encode) or in pieces (streaming)."""
+    """A `tokenizers.Tokenizer` that raises for text naming TOKENIZE, in whole or in pieces (streaming)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -92,19 +92,6 @@ class _Tokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    @property
-    def pre_tokenizer(self) -> _PreTokenizer:
-        return _PreTokenizer(self._inner.pre_tokenizer)
-
     def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
         _raise_if(TOKENIZE, text)
         return self._inner.encode(text, *args, **kwargs)
-
-
-class _PreTokenizer:
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def pre_tokenize_str(self, text: str) -> Any:
-        _raise_if(TOKENIZE, text)
-        return self._inner.pre_tokenize_str(text)
