@@ -23,6 +23,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from engine.text.cleanup import clean_text
 from realtime.auth import Auth, KeyRefused, OriginRefused
 from realtime.chat import ChatSocket
 from realtime.errors import HTTPFailure
@@ -103,7 +104,7 @@ def create_app(gateway: Gateway) -> Starlette:
         async def handle() -> Response:
             spoken = await read_speech_request(await _body(request, gateway.limits.max_message_bytes), gateway)
             if spoken.sse:  # OpenAI's usage; a long input's tokens take milliseconds: off the event loop
-                delivery.input_tokens = len(await asyncio.to_thread(gateway.tts.tokenizer.encode, spoken.text))
+                delivery.input_tokens = await asyncio.to_thread(_input_tokens, gateway, spoken.text)
             owner = client_owner(auth.key(request), request.client.host if request.client else None)
             return await speech_response(spoken, start_speech(spoken, gateway, owner), delivery,
                                          lambda: _client_gone(request))
@@ -248,6 +249,11 @@ class _AbsoluteFormTarget:
             scope = dict(scope, path=scope["path"][absolute.end():] or "/",
                          raw_path=raw_path[raw_prefix.end() if raw_prefix else 0:] or b"/")
         await self.app(scope, receive, send)
+
+
+def _input_tokens(gateway: Gateway, text: str) -> int:
+    """OpenAI's usage of a speech request: the text tokens the model reads (the cleaned text, read as text)."""
+    return len(gateway.tts.tokenizer.target(clean_text(text) if gateway.options.clean_text else text)[1])
 
 
 class _Cors(CORSMiddleware):

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.text.cleanup import clean_text
 from realtime.audio import containers
 from realtime.audio.formats import CONTENT_TYPES, HTTP_FORMATS, MODEL_SAMPLE_RATE
 from realtime.gateway import Limits
@@ -151,10 +152,24 @@ def test_sse_deltas_carry_the_format_as_it_is_made(server, client, response_form
     body = b"".join(base64.b64decode(event["audio"]) for _, event in events[:-1])
     samples = http_audio_samples(server) - before
     assert_length(decoded_length(body, response_format), samples, response_format, streamed=True)
-    # OpenAI's schema requires usage on the last event: text tokens in, audio tokens (80 ms codec frames) out
-    tokens = len(server.gateway.tts.tokenizer.encode(LONG_TEXT))
+    # OpenAI's schema requires usage on the last event: text tokens in (those the model reads: the cleaned text, read
+    # as text), audio tokens (80 ms codec frames) out
+    tokens = len(server.gateway.tts.tokenizer.target(clean_text(LONG_TEXT))[1])
     assert events[-1][1]["usage"] == {"input_tokens": tokens, "output_tokens": math.ceil(samples / 1920),
                                       "total_tokens": tokens + math.ceil(samples / 1920)}
+
+
+def test_sse_usage_counts_the_tokens_the_model_reads(server, client):
+    """A review's find: usage counted the raw text with the control tokens read as controls; the model reads the
+    cleaned text (no markdown) with every character as text, and that is what usage counts now."""
+    text = "Say <|im_end|> and **this** aloud."
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="vivian", input=text,
+                                                            response_format="pcm", stream_format="sse") as response:
+        done = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")][-1]
+    tokenizer = server.gateway.tts.tokenizer
+    read = len(tokenizer.target(clean_text(text))[1])
+    assert done["type"] == "speech.audio.done" and done["usage"]["input_tokens"] == read
+    assert read != len(tokenizer.encode(text))  # what it counted before
 
 
 # --- metrics ------------------------------------------------------------------------------------------------------
