@@ -274,6 +274,11 @@ def test_load_reference_audio_errors(tmp_path):
     garbage.write_bytes(b"this is not audio at all" * 10)
     with pytest.raises(AudioInputError, match="cannot read.*garbage.wav"):
         load_reference_audio(garbage)
+    corrupt = tmp_path / "corrupt.mp3"  # an MP3 frame's header, then junk: libsndfile calls it "not a regular file"
+    corrupt.write_bytes(b"\xff\xfb\x90\x00" + bytes(range(256)) * 16)
+    with pytest.raises(AudioInputError, match="cannot read.*corrupt.mp3: none of the decoders can read it") as told:
+        load_reference_audio(corrupt)
+    assert "pipe" not in str(told.value)
     empty = tmp_path / "empty.wav"
     sf.write(empty, np.zeros(0, dtype=np.float32), 24000)
     with pytest.raises(AudioInputError, match="empty.wav is empty"):

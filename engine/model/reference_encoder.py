@@ -99,10 +99,10 @@ def decode_reference_audio(source: Path | bytes, name: str, min_seconds: float =
     except AudioInputError:
         raise
     except Exception as exc:  # libsndfile raises several types (LibsndfileError, RuntimeError, TypeError)
-        # LibsndfileError's own words, without its "Error opening <object at 0x...>: " prefix; from bytes, not its
-        # words about a file that is not there (what it says when none of its decoders can start on the data)
+        # LibsndfileError's own words, without its "Error opening <object at 0x...>: " prefix; not its words about a
+        # file that is not there (a path was checked before), which it says when none of its decoders can start
         reason = getattr(exc, "error_string", None) or str(exc)
-        if isinstance(source, bytes) and getattr(exc, "code", None) == LIBSNDFILE_NOT_A_FILE:
+        if getattr(exc, "code", None) == LIBSNDFILE_NOT_A_FILE:
             reason = "none of the decoders can read it (not audio, or corrupt)"
         raise UndecodableAudio(f"cannot read {name}: {reason}") from exc
     if audio.size == 0:
