@@ -206,18 +206,22 @@ class TTSModel:
         """The talker prompt and the number of target text tokens."""
         if not speakable(text):
             raise EmptyText()
-        _, text_ids = self.tokenizer.target(text)
-        return self.prompt_from_ids(text_ids, voice, language, layout), len(text_ids)
+        role_ids, text_ids = self.tokenizer.target(text)
+        return self.prompt_from_ids(text_ids, voice, language, layout, role_ids), len(text_ids)
 
-    def prompt_from_ids(self, text_ids: list[int], voice: Voice, language: str, layout: str | None = None) -> Prompt:
-        """The talker prompt of tokenized text (streaming text: the ids that have arrived)."""
+    def prompt_from_ids(self, text_ids: list[int], voice: Voice, language: str, layout: str | None = None,
+                        role_ids: list[int] | None = None) -> Prompt:
+        """The talker prompt of tokenized text (streaming text: the ids that have arrived). `role_ids`: the whole
+        text's (`TextTokenizer.target`: a text that starts with a line break merges it into the role's own, as the
+        reference reads it); None: the plain role, all a stream can know before its text."""
         layout = layout or self.default_layout()
         if layout not in TEXT_LAYOUTS:
             raise RequestError(f"unknown text layout {layout!r}; use one of {', '.join(TEXT_LAYOUTS)}")
         instruct_ids = self.tokenizer.instruction(voice.instruct) if voice.instruct else None
         lang = self.resolve_language(language)
         with torch.inference_mode():
-            return self.prompts.build(voice, self.tokenizer.role_ids(), text_ids, instruct_ids, lang, layout)
+            return self.prompts.build(voice, role_ids or self.tokenizer.role_ids(), text_ids, instruct_ids, lang,
+                                      layout)
 
     def plan(self, text: str, voice: Voice, *, language: str = "auto", layout: str | None = None,
              sampling: SamplingParams | None = None, max_frames: int | None = None,

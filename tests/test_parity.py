@@ -76,3 +76,19 @@ def test_sampled_output_is_reproducible_with_a_seed(models):
     first, again, other = run(7), run(7), run(8)
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
+
+
+def test_a_text_that_starts_with_a_line_break_gets_the_references_prompt(models):
+    """The reference slices its template's first 3 ids as the role: a text that starts with a line break merges it
+    into the role's own ("\\n\\n"), and the whole-text prompt now has that role too (a review's find: the plain
+    role was used, so the prompt was not the reference's)."""
+    reference, ours = models("custom_voice")
+    text = "\nHello world, a line break first."
+    ref_codes, _, _ = reference_generate(reference, "custom_voice", text, speaker="Vivian", instruct=None,
+                                         ref_audio=None, ref_text=None, language="English",
+                                         non_streaming_mode=True, frames=FRAMES)
+    greedy = SamplingParams.from_defaults(ours.config.generation, greedy=True)
+    result = ours.synthesize(text, ours.voice(VoiceRequest(speaker="Vivian")), language="English", layout="prefill",
+                             sampling=greedy, max_frames=FRAMES)
+    assert ours.tokenizer.target(text)[0] != ours.tokenizer.role_ids()
+    np.testing.assert_array_equal(result.codes.numpy(), ref_codes)
