@@ -259,13 +259,11 @@ class SynthesizeStream(tts.SynthesizeStream):
             items = [first]
             while not self._input_ch.empty():
                 items.append(self._input_ch.recv_nowait())
-            text = ""
-            for item in items:
-                if isinstance(item, self._FlushSentinel):
-                    break
-                text += item
-            await self._append(connection, context_id, text)
-            if isinstance(item, self._FlushSentinel):
+            flushed = any(isinstance(item, self._FlushSentinel) for item in items)
+            if flushed:
+                items = items[:next(i for i, item in enumerate(items) if isinstance(item, self._FlushSentinel))]
+            await self._append(connection, context_id, "".join(items))
+            if flushed:
                 break
             if not (self._input_ch.closed and self._input_ch.empty()):  # the end goes at once
                 await asyncio.sleep(APPEND_INTERVAL_S)
