@@ -100,6 +100,9 @@ class _GuardedConnection(h11.Connection):
 LINGER_S = 10.0
 LINGER_BYTES = 64 * 1024 * 1024
 SHUTDOWN_FLUSH_S = 2.0  # what a response still being sent when the server stops gets to finish
+# a response the client takes none of for this long (the socket's buffers full) is dropped with its connection:
+# an unread body is not held for ever (a whole one sits in a temporary file, up to hundreds of MB)
+WRITE_STALL_S = 20.0
 
 
 class _LingeringTransport:
@@ -163,6 +166,7 @@ class GuardedH11Protocol(H11Protocol):
         self._stopping = False
         self._linger_deadline: asyncio.TimerHandle | None = None
         self._idle_since = 0.0  # since when it is owed nothing (`_make_room` closes the oldest first)
+        self._write_deadline: asyncio.TimerHandle | None = None  # set while the client takes none of a response
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -241,9 +245,25 @@ class GuardedH11Protocol(H11Protocol):
         self.transport = self.transport.raw  # the WebSocket protocol closes its socket itself
         super().handle_websocket_upgrade(event)
 
+    def pause_writing(self) -> None:
+        """The client takes none of the response: WRITE_STALL_S from now it is dropped, unless it reads some."""
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(WRITE_STALL_S, self._drop_unsent)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_write_deadline()
+
+    def _stop_write_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._stop_watching_body()
+        self._stop_write_deadline()
         if self._linger_deadline is not None:
             self._linger_deadline.cancel()
         super().connection_lost(exc)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
+import anyio
 import numpy as np
 from prometheus_client import Counter
 from starlette.requests import ClientDisconnect
@@ -119,7 +120,9 @@ def _discard(encoder: PcmBody | ContainerBody, body: BinaryIO) -> None:
 
 
 class WholeBody(Response):
-    """A whole body sent from its file in blocks, with its length; the file is closed once sent or abandoned."""
+    """A whole body sent from its file in blocks, with its length; the file is closed (a temporary file: deleted)
+    once sent or abandoned: a client gone (a connection dropped for taking none of it, `http_transport`'s
+    WRITE_STALL_S) stops the sending at the next block, not after reading the rest of the file for nobody."""
 
     def __init__(self, file: BinaryIO, size: int, media_type: str, headers: dict[str, str]) -> None:
         super().__init__(media_type=media_type, headers={**headers, "Content-Length": str(size)})
@@ -131,9 +134,20 @@ class WholeBody(Response):
             self.file.seek(0)
             while block := self.file.read(WHOLE_BLOCK_BYTES):
                 await send({"type": "http.response.body", "body": block, "more_body": True})
+                if await _gone(receive):
+                    return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.file.close()
+
+
+async def _gone(receive: Receive) -> bool:
+    """Whether the client has gone, without waiting: the server answers `http.disconnect` at once then (starlette's
+    `Request.is_disconnected` asks the same way)."""
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        return (await receive()).get("type") == "http.disconnect"
+    return False
 
 
 class CountedStream(StreamingResponse):
