@@ -120,8 +120,9 @@ def create_app(gateway: Gateway) -> Starlette:
                 return JSONResponse({"voices": gateway.library.voices()})
             _check_plain_body(request)
             gateway.library.check_model()  # before the body (up to 16 MiB) is read
-            upload = await read_upload(request, gateway.limits.max_voice_upload_bytes)
-            created = await gateway.library.create(upload)
+            with gateway.library.upload_turn():
+                upload = await read_upload(request, gateway.limits.max_voice_upload_bytes)
+                created = await gateway.library.create(upload)
             return JSONResponse(created, 201, headers={"Location": f"/v1/audio/voices/{created['id']}"})
         return await _http(request, gateway, auth, handle)
 

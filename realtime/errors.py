@@ -79,7 +79,7 @@ def _classify(error: BaseException | None) -> tuple[str, int]:
 VOICE_LIBRARY_STATUS = {
     "invalid_message": 400, "text_too_long": 400, "invalid_audio": 400, "audio_too_short": 400,
     "audio_too_long": 400, "audio_silent": 400, "unsupported_model": 400, "unknown_voice": 404,
-    "voice_exists": 409, "voice_limit": 409, "voice_in_use": 409, "upload_too_large": 413}
+    "voice_exists": 409, "voice_limit": 409, "voice_in_use": 409, "upload_too_large": 413, "overloaded": 503}
 
 
 def voice_failure(code: str, message: str, param: str | None = None) -> HTTPFailure:

@@ -8,9 +8,10 @@ their results (speaker embedding, reference codes) are stored, so that using the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,10 @@ MAX_FORM_FIELDS = 8
 MAX_DELIMITERS = MAX_FORM_FIELDS + 2  # one a part (the fields and a file), and the closing one
 FIELDS = ("name", "audio", "transcript", "instruction")
 UPLOAD_VARIANTS = ("base", "voice_design")
+# uploads in progress at once, from their body's first byte to their voice stored: each holds its body (up to
+# --max-voice-upload-bytes, spooled to TMPDIR while it arrives, in memory while it waits for the one encoder), so
+# their count bounds what uploads can take (a memory hostile try: ~26 MB each, unbounded, 20 waiting took 529 MB)
+MAX_UPLOADS_IN_PROGRESS = 8
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,7 @@ class VoiceLibrary:
     def __init__(self, tts: TTSModel, catalog: VoiceCatalog, store: VoiceStore | None, max_voices: int) -> None:
         self.tts, self.catalog, self.store, self.max_voices = tts, catalog, store, max_voices
         self._encoding = asyncio.Lock()  # one upload's encoders at a time: they are heavy, and share the model
+        self._uploads = 0  # in progress (MAX_UPLOADS_IN_PROGRESS)
 
     def voices(self) -> list[dict]:
         return [voice.describe() for voice in self.catalog.stored_voices()]
@@ -210,6 +216,19 @@ class VoiceLibrary:
         if stored is None:
             raise self._unknown(voice_id)
         return stored.describe()
+
+    @contextlib.contextmanager
+    def upload_turn(self) -> Iterator[None]:
+        """One of MAX_UPLOADS_IN_PROGRESS uploads, held from before its body is read until its voice is stored;
+        past them, 503 `overloaded` (with Retry-After) before the body is read."""
+        if self._uploads >= MAX_UPLOADS_IN_PROGRESS:
+            raise voice_failure("overloaded", f"{MAX_UPLOADS_IN_PROGRESS} voice uploads are in progress; try again "
+                                              "shortly")
+        self._uploads += 1
+        try:
+            yield
+        finally:
+            self._uploads -= 1
 
     async def create(self, upload: VoiceUpload) -> dict:
         """Check, encode, store and serve an uploaded voice; raises HTTPFailure."""

@@ -9,6 +9,7 @@ import io
 import json
 import shutil
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
@@ -439,6 +440,32 @@ def test_concurrent_uploads_keep_the_library_within_its_limit(base_model, one_th
         assert codes == [201, 201, 409, 409, 409]
         assert {error_code(r) for r in responses if r.status_code == 409} == {"voice_limit"}
         assert len(httpx.get(server.http + "/v1/audio/voices").json()["voices"]) == 2
+
+
+def test_uploads_in_progress_are_bounded(base_model, tmp_path, one_thread):
+    """A memory hostile try's find: every upload waiting for the one encoder held its whole body (~26 MB each, 20
+    of them 529 MB), and as many could wait as connections are open. Past MAX_UPLOADS_IN_PROGRESS (from the body's
+    first byte to the voice stored) the next is answered 503 `overloaded` with Retry-After before its body is read;
+    once one ends, uploads are taken again."""
+    with running_server(model=base_model, data_dir=tmp_path / "data") as server:
+        port = int(server.http.rsplit(":", 1)[1])
+        held = []
+        for _ in range(voice_library.MAX_UPLOADS_IN_PROGRESS):  # each sends its head and part of its body, then waits
+            connection = socket.create_connection(("127.0.0.1", port), timeout=30)
+            connection.sendall(b"POST /v1/audio/voices HTTP/1.1\r\nHost: test\r\nContent-Length: 1000000\r\n"
+                               b"Content-Type: multipart/form-data; boundary=b\r\n\r\n--b\r\nContent-Disposition: "
+                               b'form-data; name="audio"; filename="r.wav"\r\n\r\n' + b"\0" * 1000)
+            held.append(connection)
+        deadline = time.monotonic() + 30
+        while (refused := upload(server, "late", wav())).status_code != 503 and time.monotonic() < deadline:
+            assert refused.status_code == 201, refused.text  # a held one's turn was not taken yet: try again
+            httpx.delete(server.http + "/v1/audio/voices/late")
+        assert refused.status_code == 503 and error_code(refused) == "overloaded" and "retry-after" in refused.headers
+        for connection in held:
+            connection.close()
+        while (taken := upload(server, "later", wav())).status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the server sees the held ones gone
+        assert taken.status_code == 201, taken.text
 
 
 def test_uploads_and_deletes_need_the_api_key(base_model, one_thread):
