@@ -159,6 +159,8 @@ class SessionContext:
     async def _send_audio(self, audio: ContextAudio) -> None:
         self._model_samples += len(audio.samples)
         await self.slow.wait_for_room()
+        if self.cancelled:  # while it waited (a slow consumer's abort cancels it from within that wait)
+            return
         frames = await self.framer.encode(audio.samples)
         self._waiting_ms -= len(audio.samples) / MODEL_SAMPLE_RATE * 1000
         if self.slow.may_resume(self._waiting_ms):
