@@ -3,7 +3,7 @@ interpreter on the CPU (conftest sets TRITON_INTERPRET=1), in fp32 and bf16."""
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.config import CodecDecoderConfig, TransformerConfig
@@ -114,6 +114,9 @@ def test_fused_sampler_picks_the_ids_of_the_reference_sampler(dtype):
 
 
 @settings(max_examples=30, deadline=None)
+# a rehearsal's draw: the logits rounded to [-0.0, 0.0], a tie the kernel's ordered keys split (-0.0 below +0.0)
+@example(rows=1, vocab=2, top_k=0, top_p=0.0, temperature=1.0, steps=0.5, seed=499, dtype=torch.float32)
+@example(rows=1, vocab=2, top_k=1, top_p=1.0, temperature=1.0, steps=0.5, seed=499, dtype=torch.float32)
 @given(rows=st.integers(1, 3), vocab=st.integers(2, 3072), top_k=st.integers(0, 3100), top_p=st.floats(0.0, 1.0),
        temperature=st.floats(1e-30, 3.0) | st.floats(0.05, 3.0), steps=st.sampled_from([0.0, 0.5, 2.0]),
        seed=st.integers(-2**62, 2**62), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))

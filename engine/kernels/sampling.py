@@ -37,7 +37,7 @@ def _ordered_keys(x):
     The flip is `bits ^ 0xFFFFFFFF` with a typed uint32 constant, not `~bits`: the interpreter of Triton 3.8 (the
     one torch 2.14 pins) builds `~`'s all-ones operand as numpy's uint32(-1), which numpy 2 rejects with
     OverflowError. Both spell the same xor on the GPU."""
-    bits = x.to(tl.uint32, bitcast=True)
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)  # -0.0 is +0.0: equal values, one key
     return tl.where((bits >> 31) == 1, bits ^ tl.full((), 0xFFFFFFFF, tl.uint32), bits | 0x80000000)
 
 
