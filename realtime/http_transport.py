@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import h11
@@ -100,9 +101,24 @@ class _GuardedConnection(h11.Connection):
 LINGER_S = 10.0
 LINGER_BYTES = 64 * 1024 * 1024
 SHUTDOWN_FLUSH_S = 2.0  # what a response still being sent when the server stops gets to finish
-# a response the client takes none of for this long (the socket's buffers full) is dropped with its connection:
-# an unread body is not held for ever (a whole one sits in a temporary file, up to hundreds of MB)
+# a response its client stops taking (the socket's buffers full) must be taken at MIN_BODY_RATE over each
+# WRITE_STALL_S, or it is dropped with its connection: an unread body is not held for ever (a whole one sits in a
+# temporary file, up to hundreds of MB), and a client reading as it plays (slower than the audio is made) keeps it
 WRITE_STALL_S = 20.0
+TCP_INFO_BYTES_ACKED = slice(120, 128)  # Linux's struct tcp_info: tcpi_bytes_acked, a little-endian u64
+GONE_EXTENSION = "voxgate.client_gone"  # scope extension: a call that says whether the request's client has gone
+
+
+def bytes_acked(transport: asyncio.BaseTransport) -> int | None:
+    """How much of what this socket sent its peer has acknowledged (Linux's TCP_INFO); None where that is unknown."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None
+    return int.from_bytes(info[TCP_INFO_BYTES_ACKED], "little") if len(info) >= TCP_INFO_BYTES_ACKED.stop else None
 
 
 class _LingeringTransport:
@@ -167,6 +183,8 @@ class GuardedH11Protocol(H11Protocol):
         self._linger_deadline: asyncio.TimerHandle | None = None
         self._idle_since = 0.0  # since when it is owed nothing (`_make_room` closes the oldest first)
         self._write_deadline: asyncio.TimerHandle | None = None  # set while the client takes none of a response
+        self._acked = 0  # bytes the client had acknowledged when the deadline was set (None: unknown)
+        self._announced: Any = None  # the last request cycle given GONE_EXTENSION
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -245,15 +263,41 @@ class GuardedH11Protocol(H11Protocol):
         self.transport = self.transport.raw  # the WebSocket protocol closes its socket itself
         super().handle_websocket_upgrade(event)
 
+    def handle_events(self) -> None:
+        """uvicorn's, and a request's scope gets GONE_EXTENSION (before its application runs: the task starts on a
+        later turn), so that a response can stop once its client has gone without asking `receive`, which resumes
+        reading: a pipelined client's bytes then pile up in h11's buffer (a review)."""
+        super().handle_events()
+        cycle = self.cycle
+        if cycle is not None and cycle is not self._announced:
+            cycle.scope.setdefault("extensions", {})[GONE_EXTENSION] = lambda: cycle.disconnected
+            self._announced = cycle
+
     def pause_writing(self) -> None:
-        """The client takes none of the response: WRITE_STALL_S from now it is dropped, unless it reads some."""
+        """The client takes too little of the response: WRITE_STALL_S from now it is dropped, unless it has taken
+        MIN_BODY_RATE's worth by then (checked again each WRITE_STALL_S while writing stays paused)."""
         super().pause_writing()
         if self._write_deadline is None:
-            self._write_deadline = self.loop.call_later(WRITE_STALL_S, self._drop_unsent)
+            self._arm_write_deadline()
 
     def resume_writing(self) -> None:
         super().resume_writing()
         self._stop_write_deadline()
+
+    def _arm_write_deadline(self) -> None:
+        self._acked = bytes_acked(self.transport)
+        self._write_deadline = self.loop.call_later(WRITE_STALL_S, self._write_stalled)
+
+    def _write_stalled(self) -> None:
+        """Writing has stayed paused WRITE_STALL_S: a client that took at least MIN_BODY_RATE meanwhile reads (slowly,
+        or as it plays: its socket's buffers are megabytes, and writing resumes only once a third of them is free),
+        and keeps the response; one that took less is dropped (unknown, without TCP_INFO: kept)."""
+        self._write_deadline = None
+        acked = bytes_acked(self.transport)
+        if acked is None or self._acked is None or acked - self._acked >= MIN_BODY_RATE * WRITE_STALL_S:
+            self._arm_write_deadline()
+            return
+        self._drop_unsent()
 
     def _stop_write_deadline(self) -> None:
         if self._write_deadline is not None:

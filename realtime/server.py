@@ -22,7 +22,7 @@ from engine.errors import VoxgateError
 from realtime.app import WEB_DIR, create_app, drain
 from realtime.errors import HTTPFailure
 from realtime.gateway import Gateway, GatewayOptions, check_options
-from realtime.http_transport import GuardedH11Protocol
+from realtime.http_transport import GuardedH11Protocol, bytes_acked
 from realtime.metrics import TransportMetrics
 from realtime.ws import protocol as ws_protocol
 
@@ -43,7 +43,6 @@ with warnings.catch_warnings():
 
 
 MAX_HELD_BYTES = 16_384  # a loop turn's data frames held for one socket write: a 320 ms chunk of 24 kHz PCM
-TCP_INFO_BYTES_ACKED = slice(120, 128)  # Linux's struct tcp_info: tcpi_bytes_acked, a little-endian u64
 
 
 DATA_HEAD = struct.Struct("!BB")
@@ -74,18 +73,6 @@ def _let_go(task: asyncio.Future) -> None:
         task.cancel()
     elif not task.cancelled():
         task.exception()
-
-
-def bytes_acked(transport: asyncio.BaseTransport) -> int | None:
-    """How much of what this socket sent its peer has acknowledged (Linux's TCP_INFO); None where that is unknown."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or not hasattr(socket, "TCP_INFO"):
-        return None
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-    except OSError:
-        return None
-    return int.from_bytes(info[TCP_INFO_BYTES_ACKED], "little") if len(info) >= TCP_INFO_BYTES_ACKED.stop else None
 
 
 class GatewayWebSocketProtocol(WebSocketProtocol):

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
-import anyio
 import numpy as np
 from prometheus_client import Counter
 from starlette.requests import ClientDisconnect
@@ -25,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from realtime.audio.containers import ContainerBody, PcmBody, body_encoder, whole_file
 from realtime.audio.formats import CONTENT_TYPES, MODEL_SAMPLE_RATE
 from realtime.errors import HTTPFailure
+from realtime.http_transport import GONE_EXTENSION
 from realtime.metrics import TransportMetrics
 from realtime.speech_http import SpeechRequest
 
@@ -121,7 +121,7 @@ def _discard(encoder: PcmBody | ContainerBody, body: BinaryIO) -> None:
 
 class WholeBody(Response):
     """A whole body sent from its file in blocks, with its length; the file is closed (a temporary file: deleted)
-    once sent or abandoned: a client gone (a connection dropped for taking none of it, `http_transport`'s
+    once sent or abandoned: a client gone (a connection dropped for taking too little of it, `http_transport`'s
     WRITE_STALL_S) stops the sending at the next block, not after reading the rest of the file for nobody."""
 
     def __init__(self, file: BinaryIO, size: int, media_type: str, headers: dict[str, str]) -> None:
@@ -129,25 +129,17 @@ class WholeBody(Response):
         self.file = file
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = scope.get("extensions", {}).get(GONE_EXTENSION, lambda: False)  # GuardedH11Protocol's
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             self.file.seek(0)
             while block := self.file.read(WHOLE_BLOCK_BYTES):
                 await send({"type": "http.response.body", "body": block, "more_body": True})
-                if await _gone(receive):
+                if gone():
                     return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.file.close()
-
-
-async def _gone(receive: Receive) -> bool:
-    """Whether the client has gone, without waiting: the server answers `http.disconnect` at once then (starlette's
-    `Request.is_disconnected` asks the same way)."""
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        return (await receive()).get("type") == "http.disconnect"
-    return False
 
 
 class CountedStream(StreamingResponse):

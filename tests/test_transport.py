@@ -211,36 +211,64 @@ def test_requests_within_the_deadline_and_streamed_responses_are_not_cut(server)
     assert took > TIMEOUT_S + 0.3, f"{len(pcm) / 48000} s of audio in {took:.2f} s"  # it outlived the timeout
 
 
-def test_a_whole_body_its_client_takes_none_of_is_dropped_with_its_connection(server, monkeypatch):
-    """A hostile try's find: a `"stream": false` body that its client never read stayed in its temporary file (18 MB
-    in that try; hundreds of MB for a long text at speed 0.25) for as long as the client held the connection, and
-    enough such clients fill the disk. Past WRITE_STALL_S with none of it taken the connection is dropped (and the
-    file with it); the server goes on serving."""
-    monkeypatch.setattr(http_transport, "WRITE_STALL_S", 1.0)
+def unread_whole_body(server) -> tuple[socket.socket, int]:
+    """A socket that asked for a long whole body (~7 MB of PCM) and has read only its head, with a receive buffer
+    so small that the server's writing soon stops; and the body's length."""
     body = json.dumps({"input": "This is a sentence of several words. " * 6, "response_format": "pcm",
                        "stream": False, "speed": 0.25}).encode()
     host, port = server.http.removeprefix("http://").split(":")
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing fills up soon
-        sock.settimeout(120)
-        sock.connect((host, int(port)))
-        sock.sendall(f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
-                     f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        head = b""
-        while b"\r\n\r\n" not in head:  # the body is made whole first: this waits for the synthesis
-            head += sock.recv(1)
-        assert head.startswith(b"HTTP/1.1 200"), head
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(120)
+    sock.connect((host, int(port)))
+    sock.sendall(f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                 f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    head = b""
+    while b"\r\n\r\n" not in head:  # the body is made whole first: this waits for the synthesis
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return sock, int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                           if line.lower().startswith(b"content-length")))
+
+
+def read_to_the_end(sock: socket.socket) -> int:
+    received = 0
+    try:
+        while data := sock.recv(1 << 20):
+            received += len(data)
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def test_a_whole_body_its_client_takes_none_of_is_dropped_with_its_connection(server, monkeypatch):
+    """A hostile try's find: a `"stream": false` body that its client never read stayed in its temporary file (18 MB
+    in that try; hundreds of MB for a long text at speed 0.25) for as long as the client held the connection, and
+    enough such clients fill the disk. Past WRITE_STALL_S with less than MIN_BODY_RATE of it taken the connection
+    is dropped (and the file with it); the server goes on serving."""
+    monkeypatch.setattr(http_transport, "WRITE_STALL_S", 1.0)
+    sock, length = unread_whole_body(server)
+    with sock:
         time.sleep(1.0 + 2 * MARGIN_S)  # the client takes nothing
-        received = 0
-        try:
-            while data := sock.recv(1 << 20):
-                received += len(data)
-        except ConnectionResetError:
-            pass
+        received = read_to_the_end(sock)
     assert received < length, f"all {length} bytes were still held for the client"
     assert server.get("/health")[0] == 200
+
+
+def test_a_client_reading_slowly_keeps_its_whole_body(server, monkeypatch):
+    """A review's find: the deadline ran while writing stayed paused, and a client reading as it plays (real-time
+    PCM, 48 KB/s) keeps it paused for longer than WRITE_STALL_S (writing resumes once a third of megabytes of
+    socket buffer is free): it got 3.6 MB of 64 and then the end. A client that takes MIN_BODY_RATE or more over
+    each WRITE_STALL_S keeps its response, and gets all of it."""
+    monkeypatch.setattr(http_transport, "WRITE_STALL_S", 1.0)
+    sock, length = unread_whole_body(server)
+    with sock:
+        received = 0
+        for _ in range(40):  # 4 s at ~40 KB/s, far below what the server would send
+            received += len(sock.recv(4096))
+            time.sleep(0.1)
+        received += read_to_the_end(sock)
+    assert received == length
 
 
 def test_a_websocket_session_outlives_the_handshake_timeout(server):
