@@ -183,7 +183,7 @@ class GuardedH11Protocol(H11Protocol):
         self._linger_deadline: asyncio.TimerHandle | None = None
         self._idle_since = 0.0  # since when it is owed nothing (`_make_room` closes the oldest first)
         self._write_deadline: asyncio.TimerHandle | None = None  # set while the client takes none of a response
-        self._acked = 0  # bytes the client had acknowledged when the deadline was set (None: unknown)
+        self._acked: int | None = None  # bytes the client had acknowledged when the deadline was set (None: unknown)
         self._announced: Any = None  # the last request cycle given GONE_EXTENSION
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

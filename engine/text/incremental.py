@@ -18,7 +18,7 @@ import unicodedata
 from tokenizers import Encoding
 
 from engine.text.cleanup import StreamingCleanup
-from engine.text.tokenizer import ROLE_WORD, TextTokenizer
+from engine.text.tokenizer import ROLE_IDS, ROLE_WORD, TextTokenizer
 
 HELD_PRE_TOKENS = 2
 
@@ -27,7 +27,7 @@ class IncrementalTokenizer:
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer.plain  # a control-token string in the text is read as text (TextTokenizer)
         self._pending = ROLE_WORD  # tokenized in context, as the whole text would be; its role ids are dropped
-        self._role_ids = len(tokenizer.text_ids(ROLE_WORD))
+        self._role_ids = ROLE_IDS - 1  # its marker is not in `_pending`
         self.text = ""
 
     def append(self, text: str) -> list[int]:

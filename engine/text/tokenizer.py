@@ -53,6 +53,7 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 ROLE_WORD = "assistant\n"  # the role's text after its marker: a client's text is tokenized in context after it
 ROLE_PREFIX = IM_START + ROLE_WORD
+ROLE_IDS = 3  # the reference slices its template's first 3 ids as the role: the marker, then ROLE_WORD's 2 in context
 
 
 def plain_text(tokenizer: Tokenizer) -> Tokenizer:
@@ -92,7 +93,7 @@ class TextTokenizer:
         `<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n`, its first 3 ids and all but its
         last 5."""
         ids = self.text_ids(ROLE_WORD + text)
-        return [self._markers[0], *ids[:2]], ids[2:]
+        return [self._markers[0], *ids[:ROLE_IDS - 1]], ids[ROLE_IDS - 1:]
 
     def role_ids(self) -> list[int]:
         return list(self._role_ids)
@@ -100,7 +101,7 @@ class TextTokenizer:
     def reference_text(self, text: str) -> list[int]:
         """Text ids of a voice-clone reference transcript: `<|im_start|>assistant\\n{text}<|im_end|>\\n` but its first 3
         ids and its last 2."""
-        return self.text_ids(ROLE_WORD + text)[2:]
+        return self.text_ids(ROLE_WORD + text)[ROLE_IDS - 1:]
 
     def instruction(self, text: str) -> list[int]:
         """The whole instruction block `<|im_start|>user\\n{text}<|im_end|>\\n`, role and end marker included."""

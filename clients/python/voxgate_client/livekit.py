@@ -259,11 +259,9 @@ class SynthesizeStream(tts.SynthesizeStream):
             items = [first]
             while not self._input_ch.empty():
                 items.append(self._input_ch.recv_nowait())
-            flushed = any(isinstance(item, self._FlushSentinel) for item in items)
-            if flushed:
-                items = items[:next(i for i, item in enumerate(items) if isinstance(item, self._FlushSentinel))]
-            await self._append(connection, context_id, "".join(items))
-            if flushed:
+            flush = next((i for i, item in enumerate(items) if isinstance(item, self._FlushSentinel)), None)
+            await self._append(connection, context_id, "".join(items[:flush]))
+            if flush is not None:
                 break
             if not (self._input_ch.closed and self._input_ch.empty()):  # the end goes at once
                 await asyncio.sleep(APPEND_INTERVAL_S)
